@@ -1,0 +1,354 @@
+#!/usr/bin/env python
+"""Pretrain a small GPT with Megatron-Core: tensor, pipeline and data parallel, on CPU or GPU.
+
+The flags are Megatron-LM's; for example, on 4 CPU processes with TP1 x PP2 x DP2::
+
+    mover-launch --standalone --nproc-per-node 4 examples/pretrain_gpt.py \\
+        --pipeline-model-parallel-size 2 --num-layers 4 --hidden-size 64 \\
+        --num-attention-heads 4 --seq-length 64 --micro-batch-size 2 --global-batch-size 8 \\
+        --train-iters 10 --lr 1e-3 --save ckpt --load ckpt --save-interval 1
+
+(``torchrun`` in place of ``mover-launch`` works too.) Without ``--data-path`` it trains on the
+corpus shipped with mover_plugin, tokenized as bytes and built into an indexed dataset on first
+use. It prints one line per step and, at the end, ``PARAMS_DIGEST <hex>``: a hash of every
+parameter of every rank, equal for two runs only if they ended bit-identical.
+
+The flags are checked before Megatron-Core is imported (the import takes seconds), so bad
+input fails at once; that is why the framework imports sit inside the functions below.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import random
+import time
+import warnings
+from datetime import timedelta
+from functools import partial
+
+from mover_plugin.megatron.arguments import parse_args_or_exit
+
+
+def main() -> None:
+    args = parse_args_or_exit()
+    quiet_known_warnings()
+    apply_cpu_patches_if_needed()
+    initialize_distributed(args)
+    dataset = build_dataset(args)
+    model, optimizer, scheduler = setup_model_and_optimizer(args)
+    iteration = load_checkpoint(args, model, optimizer, scheduler) if args.load else 0
+    train(args, model, optimizer, scheduler, dataset, iteration)
+    report_params_digest(args, model)
+    shutdown()
+
+
+# -- setup ----------------------------------------------------------------------------------
+
+
+def quiet_known_warnings() -> None:
+    """Megatron-Core warns on every rank about optional CUDA extensions this run does not use."""
+    logging.basicConfig(level=logging.WARNING)
+    warnings.filterwarnings("ignore", message="Apex is not installed")
+    warnings.filterwarnings("ignore", message="full scope is deprecated")
+    logging.getLogger("megatron.core.datasets.gpt_dataset").setLevel(logging.ERROR)
+
+
+def apply_cpu_patches_if_needed() -> None:
+    """Megatron-Core assumes CUDA in a few places; the opt-in CPU patches stand in for it."""
+    import torch
+
+    if not torch.cuda.is_available():
+        from mover_plugin.patches import apply_patches
+
+        apply_patches("megatron-cpu")
+
+
+def initialize_distributed(args: argparse.Namespace) -> None:
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state, tensor_parallel
+
+    backend = args.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    timeout = timedelta(minutes=args.distributed_timeout_minutes)
+    dist.init_process_group(backend, timeout=timeout)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        distributed_timeout_minutes=args.distributed_timeout_minutes,
+    )
+    # As Megatron-LM: one seed per pipeline stage; data-parallel replicas draw the same numbers.
+    seed = args.seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def build_dataset(args: argparse.Namespace):
+    import torch.distributed as dist
+
+    from mover_plugin.data import build_gpt_dataset, ensure_default_dataset, make_byte_tokenizer
+
+    tokenizer = make_byte_tokenizer()
+    prefix = args.data_path
+    if prefix is None:
+        # Rank 0 builds the shipped corpus into the cache on first use; the others then find it.
+        if dist.get_rank() == 0:
+            ensure_default_dataset(args.data_cache_path)
+        dist.barrier()
+        prefix = ensure_default_dataset(args.data_cache_path)
+    args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args)
+    return build_gpt_dataset(
+        prefix,
+        seq_length=args.seq_length,
+        num_samples=args.train_iters * args.global_batch_size,
+        seed=args.seed,
+        tokenizer=tokenizer,
+    )
+
+
+def padded_vocab_size(vocab_size: int, args: argparse.Namespace) -> int:
+    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
+    return -(-vocab_size // multiple) * multiple
+
+
+def setup_model_and_optimizer(args: argparse.Namespace):
+    import torch
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.transformer import TransformerConfig
+
+    config = TransformerConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        pipeline_dtype=torch.float32,
+        params_dtype=torch.float32,
+        use_cpu_initialization=not torch.cuda.is_available(),
+    )
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type="learned_absolute",
+    )
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    ddp_config = DistributedDataParallelConfig(
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+    )
+    model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam",
+            lr=args.lr,
+            min_lr=args.min_lr,
+            weight_decay=args.weight_decay,
+            adam_beta1=args.adam_beta1,
+            adam_beta2=args.adam_beta2,
+            clip_grad=args.clip_grad,
+            params_dtype=torch.float32,
+            use_distributed_optimizer=args.use_distributed_optimizer,
+        ),
+        [model],
+    )
+    samples = args.global_batch_size
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if args.lr_warmup_iters else args.lr,
+        max_lr=args.lr,
+        min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters * samples,
+        lr_decay_steps=args.lr_decay_iters * samples,
+        lr_decay_style=args.lr_decay_style,
+        start_wd=args.weight_decay,
+        end_wd=args.weight_decay,
+        wd_incr_steps=args.train_iters * samples,
+        wd_incr_style="constant",
+    )
+    # The schedule calls these between micro-batches and after the last one.
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+    config.no_sync_func = model.no_sync
+    return model, optimizer, scheduler
+
+
+def shard_id():
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from mover_plugin.megatron.checkpoint import ShardId
+
+    return ShardId(
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        pp_size=ps.get_pipeline_model_parallel_world_size(),
+        dp_rank=dist.get_rank(ps.get_data_parallel_group()),
+    )
+
+
+def load_checkpoint(args, model, optimizer, scheduler) -> int:
+    from mover_plugin.megatron import checkpoint
+
+    iteration = checkpoint.load_checkpoint(args.load, shard_id(), model=model,
+                                           optimizer=optimizer, scheduler=scheduler)
+    if iteration and is_logging_rank():
+        print(f"resumed from {args.load} at step {iteration}", flush=True)
+    return iteration
+
+
+def save_checkpoint(args, iteration: int, model, optimizer, scheduler) -> None:
+    from megatron.core import parallel_state
+
+    from mover_plugin.megatron import checkpoint
+
+    checkpoint.save_checkpoint(args.save, iteration, shard_id(), model=model,
+                               optimizer=optimizer, scheduler=scheduler,
+                               data_parallel_group=parallel_state.get_data_parallel_group())
+
+
+# -- training -------------------------------------------------------------------------------
+
+
+def train(args, model, optimizer, scheduler, dataset, iteration: int) -> None:
+    from mover_plugin.progress import ProgressReporter
+
+    progress = ProgressReporter.from_env()
+    progress.ready(iteration)
+    while iteration < args.train_iters:
+        started = time.perf_counter()
+        progress.step_begin(iteration + 1)
+        loss, grad_norm = train_step(args, model, optimizer, scheduler, dataset, iteration)
+        iteration += 1
+        step_time = time.perf_counter() - started
+        if is_logging_rank() and iteration % args.log_interval == 0:
+            lr = optimizer.param_groups[0]["lr"]
+            print(f"step {iteration:5d}/{args.train_iters} | loss {loss:.6f} | lr {lr:.3e} | "
+                  f"grad norm {grad_norm:.4f} | step time {step_time * 1000:.1f} ms", flush=True)
+        if args.save and (iteration % (args.save_interval or args.train_iters) == 0
+                          or iteration == args.train_iters):
+            save_checkpoint(args, iteration, model, optimizer, scheduler)
+        progress.step_end(iteration, time.perf_counter() - started)
+
+
+def train_step(args, model, optimizer, scheduler, dataset, iteration: int):
+    """One optimizer step on global batch ``iteration``; returns (DP-mean loss, grad norm)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    num_microbatches = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    losses = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=microbatches(args, dataset, iteration, num_microbatches),
+        model=[model],
+        num_microbatches=num_microbatches,
+        seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size,
+        forward_only=False,
+    )
+    _, grad_norm, _ = optimizer.step()
+    scheduler.step(increment=args.global_batch_size)
+    return data_parallel_mean_loss(losses), grad_norm or 0.0
+
+
+def microbatches(args, dataset, iteration: int, num_microbatches: int):
+    """This rank's micro-batches of global batch ``iteration``, in Megatron's sample order."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from mover_plugin.data import get_microbatch, microbatch_sample_indices
+
+    dp_rank = dist.get_rank(parallel_state.get_data_parallel_group())
+    for index in range(num_microbatches):
+        samples = microbatch_sample_indices(
+            iteration, index, dp_rank,
+            micro_batch_size=args.micro_batch_size,
+            data_parallel_size=args.data_parallel_size,
+            global_batch_size=args.global_batch_size,
+        )
+        yield get_microbatch(dataset, samples)
+
+
+def forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
+                   labels=batch["labels"])
+    return output, partial(masked_mean_loss, batch["loss_mask"])
+
+
+def masked_mean_loss(loss_mask, output_tensor):
+    mask = loss_mask.view(-1).float()
+    loss = (output_tensor.view(-1).float() * mask).sum() / mask.sum()
+    # The schedule divides the returned loss in place: report a copy.
+    return loss, {"lm loss": loss.detach().clone()}
+
+
+def data_parallel_mean_loss(losses) -> float:
+    """The step's loss averaged over micro-batches and data-parallel ranks (last stage only)."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if not parallel_state.is_pipeline_last_stage():
+        return float("nan")
+    loss = torch.stack([item["lm loss"] for item in losses]).mean()
+    dist.all_reduce(loss, group=parallel_state.get_data_parallel_group())
+    return loss.item() / parallel_state.get_data_parallel_world_size()
+
+
+# -- reporting ------------------------------------------------------------------------------
+
+
+def is_logging_rank() -> bool:
+    """Megatron-LM logs from the last rank, which holds the last pipeline stage."""
+    import torch.distributed as dist
+
+    return dist.get_rank() == dist.get_world_size() - 1
+
+
+def report_params_digest(args, model) -> None:
+    import torch.distributed as dist
+
+    from mover_plugin.digest import combine_digests, gather_rank_digests, mismatched_replicas
+    from mover_plugin.layout import ParallelLayout
+
+    digests = gather_rank_digests(model.module.named_parameters())
+    if dist.get_rank() == 0:
+        layout = ParallelLayout.for_world(args.world_size, args.tensor_model_parallel_size,
+                                          args.pipeline_model_parallel_size)
+        mismatched = mismatched_replicas(layout, digests)
+        print(f"DP_REPLICAS {'identical' if not mismatched else f'DIFFER in {mismatched}'}")
+        print(f"PARAMS_DIGEST {combine_digests(digests)}", flush=True)
+
+
+def shutdown() -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()

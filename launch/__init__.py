@@ -1,0 +1,13 @@
+"""``mover-launch``: the job launcher of mover_plugin (installed as ``mover_plugin.launch``).
+
+A job has one *controller* (on the first host; it owns the job's control-plane TCPStore and
+outlives every rank) and one *agent* per host (it starts and watches the worker processes and
+delivers injected failures). The controller applies a *policy* when a worker dies; the first
+policy, ``restart``, is the baseline users have today: stop all workers, start all again, and
+let the training script resume from its latest checkpoint.
+
+Modules: ``hostfile`` (host list parsing), ``config`` (flags and their checks), ``mailbox``
+(ordered messages over the store), ``summary`` (interruption timing and the JSON summary),
+``agent``, ``controller``, ``preflight`` (checking the script's own flags before any worker
+starts) and ``cli`` (the console script).
+"""

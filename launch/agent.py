@@ -1,0 +1,295 @@
+"""The per-host agent: starts the workers of one host, watches them, obeys the controller.
+
+The agent reads the controller's commands (``start``, ``stop``, ``finish``, ``abort``) from the
+store and posts what it sees (``joined``, ``started``, ``ready``, ``first_step``,
+``worker_exit``, ``injected``, ``stopped``, ``node_done``) as events. It notices a worker's exit
+within one poll period (10 ms), reads each worker's progress pipe to deliver injected failures
+at the step they name, and stops every worker when the controller goes away.
+
+Run as ``python -m mover_plugin.launch.agent`` with its settings as JSON in
+``MOVER_AGENT_CONFIG`` (the launcher does this), or in-process through :class:`Agent`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+from mover_plugin.launch.config import FailureInjection, NodeSpec
+from mover_plugin.launch.mailbox import Mailbox
+from mover_plugin.processes import describe_exit, start_process, stop_processes
+from mover_plugin.progress import (
+    PROGRESS_FD_ENV,
+    READY,
+    STEP_BEGIN,
+    STEP_END,
+    ProgressEvent,
+    ProgressLineReader,
+)
+
+logger = logging.getLogger(__name__)
+
+AGENT_CONFIG_ENV = "MOVER_AGENT_CONFIG"
+POLL_PERIOD_S = 0.01
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    node: NodeSpec
+    world_size: int
+    master_addr: str
+    master_port: int
+    command: tuple[str, ...]
+    injections: tuple[FailureInjection, ...] = ()
+    stop_grace_s: float = 5.0
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "AgentConfig":
+        raw = json.loads(text)
+        return cls(
+            node=NodeSpec(**raw["node"]),
+            world_size=raw["world_size"],
+            master_addr=raw["master_addr"],
+            master_port=raw["master_port"],
+            command=tuple(raw["command"]),
+            injections=tuple(FailureInjection(**i) for i in raw["injections"]),
+            stop_grace_s=raw["stop_grace_s"],
+        )
+
+
+@dataclass
+class Worker:
+    """One worker process and what the agent knows of its progress."""
+
+    rank: int
+    attempt: int
+    process: subprocess.Popen
+    pipe: int
+    reader: ProgressLineReader = field(default_factory=ProgressLineReader)
+    step_begun: int = 0
+    step_completed: int = 0
+    last_step_end: Optional[float] = None
+    last_step_duration: Optional[float] = None
+    ready_reported: bool = False
+    first_step_reported: bool = False
+    exited: bool = False
+
+    def progress_fields(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "step_begun": self.step_begun,
+            "step_completed": self.step_completed,
+            "last_step_end": self.last_step_end,
+            "last_step_duration": self.last_step_duration,
+        }
+
+
+class Agent:
+    def __init__(self, config: AgentConfig, store: dist.Store) -> None:
+        self.config = config
+        self._store = store
+        self._commands = Mailbox(store, "commands")
+        self._events = Mailbox(store, "events")
+        self._workers: list[Worker] = []
+        self._selector = selectors.DefaultSelector()
+        self._pending_injections = {(i.rank, i.step): i for i in config.injections}
+        self._attempt = -1
+
+    def run(self) -> int:
+        """Serves the controller until it says ``finish`` (returns 0) or ``abort`` (1)."""
+        node = self.config.node
+        self._post("joined", host=node.host, nproc=node.nproc, pid=os.getpid())
+        try:
+            while True:
+                for command in self._commands.poll():
+                    exit_code = self._obey(command)
+                    if exit_code is not None:
+                        return exit_code
+                self._read_progress(POLL_PERIOD_S)
+                self._check_exits()
+        except (RuntimeError, ConnectionError) as error:  # the controller's store is gone
+            logger.error("node %d lost the controller (%s); stopping its workers", node.node_rank,
+                         error)
+            return 1
+        finally:
+            self._stop_workers()
+
+    # -- commands -------------------------------------------------------------------------
+
+    def _obey(self, command: dict[str, Any]) -> Optional[int]:
+        op = command["op"]
+        if op == "start":
+            self._start_workers(command["attempt"], command["store_port"])
+        elif op == "stop" and command["attempt"] == self._attempt:
+            progress = [w.progress_fields() for w in self._workers]
+            self._stop_workers()
+            self._post("stopped", workers=progress)
+        elif op == "finish":
+            return 0
+        elif op == "abort":
+            return 1
+        return None
+
+    def _start_workers(self, attempt: int, store_port: int) -> None:
+        self._stop_workers()
+        self._attempt = attempt
+        node = self.config.node
+        for local_rank, rank in enumerate(node.ranks):
+            read_fd, write_fd = os.pipe()
+            env = self._worker_env(rank, local_rank, attempt, store_port, write_fd)
+            process = start_process(list(self.config.command), env, pass_fds=(write_fd,))
+            os.close(write_fd)
+            os.set_blocking(read_fd, False)
+            worker = Worker(rank, attempt, process, read_fd)
+            self._selector.register(read_fd, selectors.EVENT_READ, worker)
+            self._workers.append(worker)
+        self._post("started", pids={w.rank: w.process.pid for w in self._workers})
+
+    def _worker_env(
+        self, rank: int, local_rank: int, attempt: int, store_port: int, progress_fd: int
+    ) -> dict[str, str]:
+        node = self.config.node
+        env = dict(os.environ)
+        env.setdefault("OMP_NUM_THREADS", "1")
+        env.update(
+            RANK=str(rank),
+            LOCAL_RANK=str(local_rank),
+            WORLD_SIZE=str(self.config.world_size),
+            LOCAL_WORLD_SIZE=str(node.nproc),
+            GROUP_RANK=str(node.node_rank),
+            MASTER_ADDR=self.config.master_addr,
+            MASTER_PORT=str(store_port),
+            # env:// rendezvous connects to the store the controller hosts for this attempt.
+            TORCHELASTIC_USE_AGENT_STORE="True",
+            TORCHELASTIC_RESTART_COUNT=str(attempt),
+            MOVER_CONTROL_ADDR=self.config.master_addr,
+            MOVER_CONTROL_PORT=str(self.config.master_port),
+            MOVER_ATTEMPT=str(attempt),
+        )
+        env[PROGRESS_FD_ENV] = str(progress_fd)
+        return env
+
+    def _stop_workers(self) -> None:
+        live = [w for w in self._workers if not w.exited]
+        stop_processes([w.process for w in live], self.config.stop_grace_s)
+        for worker in self._workers:
+            self._close_pipe(worker)
+        self._workers = []
+
+    # -- watching -------------------------------------------------------------------------
+
+    def _read_progress(self, timeout: float) -> None:
+        if not self._selector.get_map():
+            time.sleep(timeout)
+            return
+        for key, _ in self._selector.select(timeout):
+            worker: Worker = key.data
+            try:
+                data = os.read(worker.pipe, 65536)
+            except BlockingIOError:
+                continue
+            if not data:  # the worker closed its end: it is exiting
+                self._close_pipe(worker)
+                continue
+            for event in worker.reader.feed(data):
+                self._on_progress(worker, event)
+
+    def _on_progress(self, worker: Worker, event: ProgressEvent) -> None:
+        if event.kind == READY and not worker.ready_reported:
+            worker.ready_reported = True
+            self._post("ready", rank=worker.rank, step=event.step, time=event.time)
+        elif event.kind == STEP_BEGIN:
+            worker.step_begun = event.step
+            self._maybe_inject(worker, event.step)
+        elif event.kind == STEP_END:
+            worker.step_completed = event.step
+            worker.last_step_end = event.time
+            worker.last_step_duration = event.duration_s
+            if not worker.first_step_reported:
+                worker.first_step_reported = True
+                self._post("first_step", rank=worker.rank, step=event.step, time=event.time,
+                           duration=event.duration_s)
+
+    def _maybe_inject(self, worker: Worker, step: int) -> None:
+        injection = self._pending_injections.pop((worker.rank, step), None)
+        if injection is None:
+            return
+        os.kill(worker.process.pid, injection.signal)
+        logger.warning("injected %s into rank %d at step %d", injection.signal_name,
+                       worker.rank, step)
+        self._post("injected", rank=worker.rank, step=step, signal=injection.signal_name)
+
+    def _check_exits(self) -> None:
+        for worker in self._workers:
+            if worker.exited or worker.process.poll() is None:
+                continue
+            self._drain(worker)
+            worker.exited = True
+            returncode = worker.process.returncode
+            self._post("worker_exit", returncode=returncode, how=describe_exit(returncode),
+                       **worker.progress_fields())
+        if self._workers and all(w.exited and w.process.returncode == 0 for w in self._workers):
+            steps = min(w.step_completed for w in self._workers)
+            self._workers = []
+            self._post("node_done", steps_completed=steps)
+
+    def _drain(self, worker: Worker) -> None:
+        """Reads what the worker wrote before exiting."""
+        while worker.pipe >= 0:
+            try:
+                data = os.read(worker.pipe, 65536)
+            except (BlockingIOError, OSError):
+                break
+            if not data:
+                break
+            for event in worker.reader.feed(data):
+                self._on_progress(worker, event)
+        self._close_pipe(worker)
+
+    def _close_pipe(self, worker: Worker) -> None:
+        if worker.pipe < 0:
+            return
+        try:
+            self._selector.unregister(worker.pipe)
+        except (KeyError, ValueError):
+            pass
+        os.close(worker.pipe)
+        worker.pipe = -1
+
+    def _post(self, kind: str, **fields: Any) -> None:
+        fields.setdefault("time", time.time())
+        self._events.post({"kind": kind, "node": self.config.node.node_rank,
+                           "attempt": self._attempt, **fields})
+
+
+def connect_to_controller(addr: str, port: int, timeout_s: float) -> dist.TCPStore:
+    """A client of the controller's store; waits up to ``timeout_s`` for it to listen."""
+    return dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, format="[mover-agent] %(message)s", stream=sys.stderr)
+    config = AgentConfig.from_json(os.environ[AGENT_CONFIG_ENV])
+    # The launcher stops its agents with SIGTERM: leave through ``finally`` to stop workers.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
+    store = connect_to_controller(config.master_addr, config.master_port, timeout_s=300)
+    return Agent(config, store).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

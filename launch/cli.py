@@ -1,0 +1,119 @@
+"""The ``mover-launch`` console script.
+
+``mover-launch [flags] script.py [script flags]`` checks its flags and the script's, then on the
+first host runs the controller and starts an agent per local host; on other hosts
+(``--node-rank N``) it runs that host's agent. See ``mover-launch --help``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+from datetime import timedelta
+from typing import Optional, Sequence
+
+import torch.distributed as dist
+
+from mover_plugin.errors import ConfigError, LaunchError
+from mover_plugin.launch.agent import AGENT_CONFIG_ENV, Agent, AgentConfig, connect_to_controller
+from mover_plugin.launch.config import LaunchConfig, parse_launch_args
+from mover_plugin.launch.controller import Controller
+from mover_plugin.launch.preflight import run_preflight
+from mover_plugin.launch.summary import RunSummary
+from mover_plugin.processes import start_process, stop_processes
+
+logger = logging.getLogger("mover_plugin.launch")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="[mover-launch] %(message)s", stream=sys.stderr)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        config = parse_launch_args(sys.argv[1:] if argv is None else argv, sys.executable)
+        if config.runs_controller:
+            run_preflight(config)
+            return _run_first_host(config)
+        return _run_agent_only(config)
+    except ConfigError as error:
+        print(f"mover-launch: error: {error}", file=sys.stderr)
+        return 2
+    except LaunchError as error:
+        print(f"mover-launch: {error}", file=sys.stderr)
+        return 1
+
+
+def _run_first_host(config: LaunchConfig) -> int:
+    store = _host_control_store(config)
+    port = store.port
+    agents = [_spawn_agent(config, node_rank, port) for node_rank in config.local_node_ranks]
+    controller = Controller(config, store, agents)
+    try:
+        return controller.run()
+    finally:
+        stop_processes(agents, grace_s=config.stop_grace_s + 5.0)
+        _report(controller.summary, config)
+
+
+def _host_control_store(config: LaunchConfig) -> dist.TCPStore:
+    try:
+        return dist.TCPStore(config.master_addr, config.master_port, is_master=True,
+                             wait_for_workers=False, timeout=timedelta(seconds=60))
+    except (RuntimeError, OSError) as error:
+        raise ConfigError(
+            f"cannot host the job's store on {config.master_addr}:{config.master_port} ({error}); "
+            "choose a free --master-port (or --standalone)"
+        ) from None
+
+
+def _spawn_agent(config: LaunchConfig, node_rank: int, port: int) -> subprocess.Popen:
+    env = dict(os.environ)
+    env[AGENT_CONFIG_ENV] = _agent_config(config, node_rank, port).to_json()
+    return start_process([sys.executable, "-m", "mover_plugin.launch.agent"], env,
+                         death_signal=signal.SIGTERM)
+
+
+def _agent_config(config: LaunchConfig, node_rank: int, port: int) -> AgentConfig:
+    node = config.nodes[node_rank]
+    return AgentConfig(
+        node=node,
+        world_size=config.world_size,
+        master_addr=config.master_addr,
+        master_port=port,
+        command=config.command,
+        injections=tuple(i for i in config.injections if i.rank in node.ranks),
+        stop_grace_s=config.stop_grace_s,
+    )
+
+
+def _run_agent_only(config: LaunchConfig) -> int:
+    (node_rank,) = config.local_node_ranks
+    try:
+        store = connect_to_controller(config.master_addr, config.master_port,
+                                      timeout_s=config.join_timeout_s)
+    except (RuntimeError, OSError) as error:
+        raise LaunchError(
+            f"no controller at {config.master_addr}:{config.master_port} ({error})"
+        ) from None
+    return Agent(_agent_config(config, node_rank, config.master_port), store).run()
+
+
+def _report(summary: RunSummary, config: LaunchConfig) -> None:
+    if config.summary_path:
+        summary.write(config.summary_path)
+    logger.info("job ended with exit code %s after %.2f s: %s steps, %d restart(s)",
+                summary.exit_code, summary.wall_time_s or 0.0, summary.steps_completed,
+                summary.restarts)
+    for item in summary.interruptions:
+        data = item.to_dict()
+        phases = ", ".join(f"{p} +{s:.3f}s" for p, s in data["phases_s"].items())
+        downtime = data["downtime_s"]
+        logger.info("interruption: %s of rank %d at step %d (%s): %s; downtime %s", item.kind,
+                    item.rank, item.step, item.how, phases,
+                    "n/a" if downtime is None else f"{downtime:.3f} s")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,297 @@
+"""The launcher's settings: one dataclass, its command-line flags and their checks.
+
+Every check runs before any process starts and raises :class:`ConfigError` with a message that
+names the bad value and what would be valid. The flag names are torchrun's
+(``--nproc-per-node``, ``--nnodes``, ``--node-rank``, ``--master-addr``, ``--master-port``,
+``--max-restarts``, ``--standalone``; the underscore spellings work too) so that replacing
+``torchrun`` by ``mover-launch`` in a command line just works.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from mover_plugin.errors import ConfigError
+from mover_plugin.launch.hostfile import HostEntry, is_local_host, parse_hostfile
+
+POLICIES = ("restart",)
+DEFAULT_MASTER_PORT = 29500
+
+
+@dataclass(frozen=True)
+class FailureInjection:
+    """Deliver ``signal`` to the worker holding global ``rank`` when it begins ``step``."""
+
+    rank: int
+    step: int
+    signal: int = signal.SIGKILL
+
+    @property
+    def signal_name(self) -> str:
+        return signal.Signals(self.signal).name
+
+    def spec(self) -> str:
+        return f"{self.rank}:{self.step}:{self.signal_name}"
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """One host of the job: its node rank, name, worker count and first global rank."""
+
+    node_rank: int
+    host: str
+    nproc: int
+    first_rank: int
+
+    @property
+    def ranks(self) -> range:
+        return range(self.first_rank, self.first_rank + self.nproc)
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Everything ``mover-launch`` needs; built by :func:`parse_launch_args`."""
+
+    nodes: tuple[NodeSpec, ...]
+    """All hosts of the job, in node-rank order."""
+    local_node_ranks: tuple[int, ...]
+    """The nodes whose agents this ``mover-launch`` process starts."""
+    runs_controller: bool
+    """True on the first host: this process hosts the controller and the control-plane store."""
+    master_addr: str
+    master_port: int
+    """Port of the control-plane store; 0 lets the OS choose (single-machine jobs only)."""
+    command: tuple[str, ...]
+    """The worker command: the interpreter, ``-u``, the script (or ``-m module``) and its args."""
+    policy: str = "restart"
+    max_restarts: int = 3
+    injections: tuple[FailureInjection, ...] = ()
+    summary_path: Optional[str] = None
+    stop_grace_s: float = 5.0
+    """Seconds between SIGTERM and SIGKILL when the launcher stops workers."""
+    join_timeout_s: float = 300.0
+    """Seconds the controller waits for every host's agent to join."""
+    preflight: bool = True
+    """Run the script once with ``MOVER_PREFLIGHT=1`` to check its flags before any worker."""
+    script_path: Optional[str] = None
+    """The training script (None with ``-m``)."""
+    script_args: tuple[str, ...] = field(default=())
+
+    @property
+    def world_size(self) -> int:
+        return sum(node.nproc for node in self.nodes)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _ErrorRaisingParser(
+        prog="mover-launch",
+        description="Run a distributed training script on local workers with torchrun's "
+        "environment, a controller that outlives the ranks and a policy for failures.",
+    )
+    add = parser.add_argument
+    add("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", type=_positive_int,
+        default=None, help="Workers per host (default 1; with --hostfile, its slots).")
+    add("--nnodes", type=_positive_int, default=None, help="Number of hosts (default 1).")
+    add("--node-rank", "--node_rank", dest="node_rank", type=_non_negative_int, default=None,
+        help="This host's index among the hosts (default 0).")
+    add("--master-addr", "--master_addr", dest="master_addr", default="127.0.0.1",
+        help="Address of the first host, where the controller runs.")
+    add("--master-port", "--master_port", dest="master_port", type=_port, default=None,
+        help=f"Port of the controller's store (default {DEFAULT_MASTER_PORT}; 0: any free port, "
+        "single-machine jobs only).")
+    add("--standalone", action="store_true",
+        help="Single-machine job on a free port (like torchrun --standalone).")
+    add("--hostfile", default=None,
+        help="File with one 'host slots=N' line per host. Hosts naming this machine get an "
+        "agent each from this command; other hosts run 'mover-launch --node-rank N' themselves.")
+    add("--policy", default="restart", type=_choice("--policy", POLICIES),
+        help="What to do when a worker dies. restart: stop all workers, start all again; the "
+        "script resumes from its latest checkpoint.")
+    add("--max-restarts", "--max_restarts", dest="max_restarts", type=_non_negative_int,
+        default=3, help="How many times the restart policy may restart the workers (default 3).")
+    add("--inject-failure", dest="inject_failure", action="append", default=[],
+        type=_injection_argument, metavar="RANK:STEP[:SIGNAL]",
+        help="Deliver SIGNAL (default SIGKILL) to global RANK when it begins STEP (1-based). "
+        "Repeatable; each fires once.")
+    add("--summary", default=None, metavar="PATH", help="Write a JSON run summary to PATH.")
+    add("--stop-grace-s", type=_positive_float, default=5.0,
+        help="Seconds between SIGTERM and SIGKILL when stopping workers (default 5).")
+    add("--join-timeout-s", type=_positive_float, default=300.0,
+        help="Seconds to wait for every host's agent to join (default 300).")
+    add("--no-preflight", dest="preflight", action="store_false",
+        help="Do not check the script's flags before starting workers.")
+    add("-m", "--module", action="store_true",
+        help="Treat the script as a Python module name, as 'python -m'.")
+    add("script", help="The training script (or module with -m).")
+    add("script_args", nargs=argparse.REMAINDER, help="Arguments of the training script.")
+    return parser
+
+
+def parse_launch_args(argv: Sequence[str], python: str) -> LaunchConfig:
+    """Parses and checks ``mover-launch`` flags; raises :class:`ConfigError` on bad input."""
+    args = build_parser().parse_args(list(argv))
+    nodes = _nodes(args)
+    world_size = sum(node.nproc for node in nodes)
+    local, runs_controller = _local_nodes(args, nodes)
+    master_port = _master_port(args, nodes, local)
+    for injection in args.inject_failure:
+        if injection.rank >= world_size:
+            raise ConfigError(
+                f"--inject-failure {injection.spec()}: rank {injection.rank} does not exist; "
+                f"the job has ranks 0..{world_size - 1}"
+            )
+    target = ["-m", args.script] if args.module else [args.script]
+    return LaunchConfig(
+        nodes=nodes,
+        local_node_ranks=local,
+        runs_controller=runs_controller,
+        master_addr=args.master_addr,
+        master_port=master_port,
+        command=(python, "-u", *target, *args.script_args),
+        policy=args.policy,
+        max_restarts=args.max_restarts,
+        injections=tuple(args.inject_failure),
+        summary_path=args.summary,
+        stop_grace_s=args.stop_grace_s,
+        join_timeout_s=args.join_timeout_s,
+        preflight=args.preflight,
+        script_path=None if args.module else args.script,
+        script_args=tuple(args.script_args),
+    )
+
+
+def parse_injection(text: str) -> FailureInjection:
+    """Parses ``RANK:STEP[:SIGNAL]``; SIGNAL is a name (``SIGKILL``, ``KILL``) or a number."""
+    parts = text.split(":")
+    if len(parts) not in (2, 3) or not all(part.isdigit() for part in parts[:2]):
+        raise ConfigError(f"{text!r} is not RANK:STEP[:SIGNAL] (e.g. 3:6 or 3:6:SIGSTOP)")
+    rank, step = int(parts[0]), int(parts[1])
+    if step < 1:
+        raise ConfigError(f"{text!r}: STEP must be 1 or more (steps count from 1)")
+    sig = _signal(parts[2], text) if len(parts) == 3 else signal.SIGKILL
+    return FailureInjection(rank, step, sig)
+
+
+def _injection_argument(text: str) -> FailureInjection:
+    try:
+        return parse_injection(text)
+    except ConfigError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _signal(name: str, text: str) -> int:
+    if name.isdigit():
+        number = int(name)
+        if number in {int(s) for s in signal.Signals}:
+            return number
+    else:
+        upper = name.upper()
+        upper = upper if upper.startswith("SIG") else "SIG" + upper
+        if upper in signal.Signals.__members__:
+            return int(signal.Signals[upper])
+    raise ConfigError(
+        f"{text!r}: unknown signal {name!r} (use a name like SIGKILL, SIGTERM, "
+        "SIGSTOP, SIGSEGV or its number)"
+    )
+
+
+def _nodes(args: argparse.Namespace) -> tuple[NodeSpec, ...]:
+    if args.hostfile is not None:
+        if args.nproc_per_node is not None or args.nnodes is not None:
+            raise ConfigError(
+                "--hostfile gives the hosts and their slots; do not combine it with "
+                "--nproc-per-node or --nnodes"
+            )
+        return _from_entries(parse_hostfile(args.hostfile))
+    nnodes = 1 if args.standalone else (args.nnodes or 1)
+    if args.standalone and args.nnodes not in (None, 1):
+        raise ConfigError(f"--standalone runs on one machine; --nnodes {args.nnodes} conflicts")
+    nproc = args.nproc_per_node or 1
+    host = args.master_addr
+    return _from_entries([HostEntry(host, nproc)] * nnodes)
+
+
+def _from_entries(entries: Sequence[HostEntry]) -> tuple[NodeSpec, ...]:
+    nodes, first = [], 0
+    for node_rank, entry in enumerate(entries):
+        nodes.append(NodeSpec(node_rank, entry.host, entry.slots, first))
+        first += entry.slots
+    return tuple(nodes)
+
+
+def _local_nodes(
+    args: argparse.Namespace, nodes: tuple[NodeSpec, ...]
+) -> tuple[tuple[int, ...], bool]:
+    if args.node_rank is not None and args.node_rank >= len(nodes):
+        raise ConfigError(
+            f"--node-rank {args.node_rank} does not exist; the job has nodes 0..{len(nodes) - 1}"
+        )
+    if args.hostfile is None:
+        node_rank = args.node_rank or 0
+        return (node_rank,), node_rank == 0
+    if args.node_rank not in (None, 0):
+        return (args.node_rank,), False
+    local = tuple(n.node_rank for n in nodes if n.node_rank == 0 or is_local_host(n.host))
+    return local, True
+
+
+def _master_port(
+    args: argparse.Namespace, nodes: tuple[NodeSpec, ...], local: tuple[int, ...]
+) -> int:
+    port = 0 if args.standalone and args.master_port is None else args.master_port
+    port = DEFAULT_MASTER_PORT if port is None else port
+    if port == 0 and len(local) != len(nodes):
+        raise ConfigError(
+            "--master-port 0 (any free port) needs every host's agent started by this command; "
+            "give the port the other hosts should connect to"
+        )
+    return port
+
+
+class _ErrorRaisingParser(argparse.ArgumentParser):
+    """Raises :class:`ConfigError` instead of printing usage and exiting."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ConfigError(message)
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return int(text)
+
+
+def _non_negative_int(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a non-negative integer")
+    return int(text)
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (0..65535)")
+    return int(text)
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
+    return value
+
+
+def _choice(flag: str, choices: Sequence[str]):
+    def check(text: str) -> str:
+        if text not in choices:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a valid {flag}; valid: {', '.join(choices)}"
+            )
+        return text
+
+    return check

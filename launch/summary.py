@@ -1,0 +1,102 @@
+"""Interruption timing and the JSON run summary written by ``mover-launch --summary``.
+
+An interruption moves through phases, each stamped with wall-clock time:
+
+* ``failed`` — the signal was delivered (injected failures) or, for a failure nobody injected,
+  when it was detected;
+* ``detected`` — the agent saw the worker exit;
+* ``stopped`` — every other worker of the job was stopped (restart policy);
+* ``started`` — the new workers were started;
+* ``recovered`` — every rank is ready to train again (checkpoint loaded);
+* ``first_step_completed`` — every rank completed its first step after the interruption.
+
+``downtime_s`` is the time training stood still: the gap between the last step completed
+before the failure and the first step completed after it, less one normal step time (the
+duration of that last step before the failure).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+PHASES = ("failed", "detected", "stopped", "started", "recovered", "first_step_completed")
+
+
+@dataclass
+class Interruption:
+    kind: str
+    """``failure``: a worker died (crash, kill, or any non-zero exit)."""
+    rank: int
+    step: int
+    """The step the rank was running when it failed (1-based; 0 before the first step)."""
+    how: str
+    """The exit as the agent saw it, e.g. ``signal SIGKILL`` or ``exit code 1``."""
+    injected: bool
+    attempt: int
+    times: dict[str, float] = field(default_factory=dict)
+    last_step_before: Optional[float] = None
+    step_time_before: Optional[float] = None
+
+    def mark(self, phase: str, when: float) -> None:
+        assert phase in PHASES, phase
+        self.times.setdefault(phase, when)
+
+    @property
+    def downtime_s(self) -> Optional[float]:
+        after = self.times.get("first_step_completed")
+        if after is None or self.last_step_before is None:
+            return None
+        return after - self.last_step_before - (self.step_time_before or 0.0)
+
+    def to_dict(self) -> dict:
+        failed = self.times.get("failed")
+        return {
+            "kind": self.kind,
+            "rank": self.rank,
+            "step": self.step,
+            "how": self.how,
+            "injected": self.injected,
+            "attempt": self.attempt,
+            "times": {p: self.times[p] for p in PHASES if p in self.times},
+            "phases_s": {
+                p: round(self.times[p] - failed, 6)
+                for p in PHASES
+                if p in self.times and failed is not None
+            },
+            "downtime_s": None if self.downtime_s is None else round(self.downtime_s, 6),
+        }
+
+
+@dataclass
+class RunSummary:
+    policy: str
+    world_size: int
+    command: list[str]
+    started_at: float
+    finished_at: Optional[float] = None
+    exit_code: Optional[int] = None
+    steps_completed: Optional[int] = None
+    restarts: int = 0
+    interruptions: list[Interruption] = field(default_factory=list)
+
+    @property
+    def wall_time_s(self) -> Optional[float]:
+        return None if self.finished_at is None else self.finished_at - self.started_at
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["wall_time_s"] = self.wall_time_s
+        data["interruptions"] = [i.to_dict() for i in self.interruptions]
+        data["total_downtime_s"] = sum(i.downtime_s or 0.0 for i in self.interruptions)
+        return data
+
+    def write(self, path: str | Path) -> None:
+        """Writes the summary atomically (a partial file never replaces a previous one)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_name(path.name + ".tmp")
+        temporary.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        temporary.replace(path)

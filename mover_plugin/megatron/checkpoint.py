@@ -1,0 +1,141 @@
+"""Checkpoints of a Megatron-Core training run that resume bit-exactly.
+
+The folder layout is Megatron-LM's: ``SAVE/iter_0000010/mp_rank_TT[_PPP]/model_optim_rng.pt``
+for each tensor/pipeline shard (written by data-parallel rank 0 of that shard) and
+``SAVE/latest_checkpointed_iteration.txt``. A shard file holds the model, optimizer and
+learning-rate scheduler states, the iteration, and the RNG states of every data-parallel rank
+of the shard (Python, NumPy, torch and Megatron's model-parallel RNG tracker), so a resumed run
+draws the same dropout masks and reads the same samples as an uninterrupted one.
+
+Every file is written under a temporary name and renamed; the tracker file is replaced only
+after every rank finished writing, so a run killed in the middle of a save resumes from the
+previous complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+SHARD_FILE = "model_optim_rng.pt"
+
+
+@dataclass(frozen=True)
+class ShardId:
+    """Which shard this rank holds: tensor- and pipeline-parallel index, data-parallel rank."""
+
+    tp_rank: int
+    pp_rank: int
+    pp_size: int
+    dp_rank: int
+
+    def folder(self, root: Path, iteration: int) -> Path:
+        name = f"mp_rank_{self.tp_rank:02d}"
+        if self.pp_size > 1:
+            name += f"_{self.pp_rank:03d}"
+        return root / f"iter_{iteration:07d}" / name
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """This rank's RNG states, Megatron's model-parallel tracker included."""
+    from megatron.core import tensor_parallel
+
+    return {
+        "random": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    from megatron.core import tensor_parallel
+
+    random.setstate(state["random"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def latest_iteration(root: str | os.PathLike) -> Optional[int]:
+    """The iteration of the latest complete checkpoint under ``root``, or None."""
+    tracker = Path(root) / TRACKER_FILE
+    if not tracker.is_file():
+        return None
+    return int(tracker.read_text().strip())
+
+
+def save_checkpoint(
+    root: str | os.PathLike,
+    iteration: int,
+    shard: ShardId,
+    *,
+    model: torch.nn.Module,
+    optimizer: Any,
+    scheduler: Any,
+    data_parallel_group: dist.ProcessGroup,
+) -> None:
+    """Collective over the default group: every rank calls it at the same iteration."""
+    root = Path(root)
+    rng_states: list[Any] = [None] * dist.get_world_size(data_parallel_group)
+    dist.all_gather_object(rng_states, capture_rng_state(), group=data_parallel_group)
+    if shard.dp_rank == 0:
+        state = {
+            "iteration": iteration,
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "opt_param_scheduler": scheduler.state_dict(),
+            "rng_state": rng_states,
+        }
+        folder = shard.folder(root, iteration)
+        folder.mkdir(parents=True, exist_ok=True)
+        _atomic_save(state, folder / SHARD_FILE)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        _atomic_write_text(root / TRACKER_FILE, f"{iteration}\n")
+    dist.barrier()
+
+
+def load_checkpoint(
+    root: str | os.PathLike,
+    shard: ShardId,
+    *,
+    model: torch.nn.Module,
+    optimizer: Any,
+    scheduler: Any,
+) -> int:
+    """Restores the latest checkpoint under ``root``; returns its iteration (0 if none)."""
+    iteration = latest_iteration(root)
+    if iteration is None:
+        logger.info("no checkpoint in %s; starting from scratch", root)
+        return 0
+    path = shard.folder(Path(root), iteration) / SHARD_FILE
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["opt_param_scheduler"])
+    restore_rng_state(state["rng_state"][shard.dp_rank])
+    return int(state["iteration"])
+
+
+def _atomic_save(obj: Any, path: Path) -> None:
+    temporary = path.with_name(path.name + f".tmp{os.getpid()}")
+    torch.save(obj, temporary)
+    os.replace(temporary, path)
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    temporary = path.with_name(path.name + f".tmp{os.getpid()}")
+    temporary.write_text(text)
+    os.replace(temporary, path)

@@ -1,0 +1,90 @@
+"""Starting and stopping child processes so that none outlives its parent.
+
+Used by the launcher's agent (workers), the launcher itself (agents) and the test harness.
+Every child gets a parent-death signal (Linux ``prctl``), runs in its own process group, and
+is stopped by group: SIGTERM, a grace period, then SIGKILL.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import time
+from typing import Callable, Optional
+
+logger = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+def parent_death_signal(sig: int) -> Callable[[], None]:
+    """Returns a ``preexec_fn`` that makes the child receive ``sig`` when its parent dies."""
+
+    def preexec() -> None:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
+        except (OSError, AttributeError):  # not Linux: the child is still stopped by group
+            pass
+
+    return preexec
+
+
+def start_process(
+    command: list[str],
+    env: dict[str, str],
+    *,
+    death_signal: int = signal.SIGKILL,
+    pass_fds: tuple[int, ...] = (),
+    cwd: Optional[str] = None,
+) -> subprocess.Popen:
+    """Starts ``command`` in a new process group, bound to die with this process."""
+    return subprocess.Popen(
+        command,
+        env=env,
+        pass_fds=pass_fds,
+        cwd=cwd,
+        start_new_session=True,
+        preexec_fn=parent_death_signal(death_signal),
+    )
+
+
+def signal_group(process: subprocess.Popen, sig: int) -> None:
+    """Sends ``sig`` to the process group of ``process`` (ignoring one already gone)."""
+    try:
+        os.killpg(process.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def stop_processes(processes: list[subprocess.Popen], grace_s: float) -> None:
+    """SIGTERMs every group, waits up to ``grace_s``, SIGKILLs what is left, reaps all."""
+    for process in processes:
+        if process.poll() is None:
+            signal_group(process, signal.SIGTERM)
+            # A stopped (SIGSTOP) process only acts on SIGTERM once continued.
+            signal_group(process, signal.SIGCONT)
+    deadline = time.monotonic() + grace_s
+    for process in processes:
+        remaining = max(0.0, deadline - time.monotonic())
+        try:
+            process.wait(timeout=remaining)
+        except subprocess.TimeoutExpired:
+            logger.warning("pid %d did not stop within %.1f s; killing it", process.pid, grace_s)
+    for process in processes:
+        # The group may still hold children of an exited leader.
+        signal_group(process, signal.SIGKILL)
+        process.wait()
+
+
+def describe_exit(returncode: int) -> str:
+    """``'exit code 1'`` or ``'signal SIGKILL'`` for a Popen return code."""
+    if returncode < 0:
+        try:
+            return f"signal {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"signal {-returncode}"
+    return f"exit code {returncode}"

@@ -1,0 +1,93 @@
+"""Progress reports from a training rank to the agent that started it.
+
+A worker started by ``mover-launch`` inherits one end of a pipe whose file descriptor is in
+``MOVER_PROGRESS_FD``. At each step boundary the worker writes one JSON line; the agent on the
+same host reads them to deliver injected failures at a given step and to time interruptions.
+Nothing crosses the network per step: the agent forwards only the few events the controller
+needs (the first step of an attempt, the last step before an exit).
+
+Outside ``mover-launch`` (plain ``torchrun`` or a single process) every report is a no-op.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+PROGRESS_FD_ENV = "MOVER_PROGRESS_FD"
+
+STEP_BEGIN = "step_begin"
+STEP_END = "step_end"
+READY = "ready"
+KINDS = (STEP_BEGIN, STEP_END, READY)
+
+
+@dataclass(frozen=True)
+class ProgressEvent:
+    """One report: ``kind`` is one of :data:`KINDS`; ``step`` is 1-based (for ``ready``, the
+    number of steps already completed); ``duration_s`` is the step time of a ``step_end``."""
+
+    kind: str
+    step: int
+    time: float
+    duration_s: float = 0.0
+
+    def encode(self) -> bytes:
+        return (json.dumps(self.__dict__, separators=(",", ":")) + "\n").encode()
+
+    @classmethod
+    def decode(cls, line: bytes) -> "ProgressEvent":
+        fields = json.loads(line)
+        if fields.get("kind") not in KINDS:
+            raise ValueError(f"unknown progress event kind in {line!r}")
+        return cls(**fields)
+
+
+class ProgressReporter:
+    """Writes progress events to the agent's pipe, or does nothing when there is none."""
+
+    def __init__(self, fd: Optional[int]) -> None:
+        self._fd = fd
+
+    @classmethod
+    def from_env(cls) -> "ProgressReporter":
+        raw = os.environ.get(PROGRESS_FD_ENV)
+        return cls(int(raw) if raw else None)
+
+    @property
+    def enabled(self) -> bool:
+        return self._fd is not None
+
+    def ready(self, completed_steps: int) -> None:
+        """The rank has built everything and is about to run step ``completed_steps + 1``."""
+        self._send(ProgressEvent(READY, completed_steps, time.time()))
+
+    def step_begin(self, step: int) -> None:
+        self._send(ProgressEvent(STEP_BEGIN, step, time.time()))
+
+    def step_end(self, step: int, duration_s: float) -> None:
+        self._send(ProgressEvent(STEP_END, step, time.time(), duration_s))
+
+    def _send(self, event: ProgressEvent) -> None:
+        if self._fd is None:
+            return
+        try:
+            os.write(self._fd, event.encode())
+        except OSError:
+            # The agent is gone; the worker is about to be stopped anyway.
+            self._fd = None
+
+
+class ProgressLineReader:
+    """Splits the bytes read from one worker's pipe into events (agent side)."""
+
+    def __init__(self) -> None:
+        self._pending = b""
+
+    def feed(self, data: bytes) -> list[ProgressEvent]:
+        self._pending += data
+        *lines, self._pending = self._pending.split(b"\n")
+        return [ProgressEvent.decode(line) for line in lines if line.strip()]

@@ -1,0 +1,152 @@
+"""Multi-process test harness: ranks as processes over real gloo, commands with timeouts.
+
+Layered timeouts: a rank's process group times out first (``group_timeout_s``), the harness
+next (``timeout_s``, after which every rank is killed and the call fails with what each rank
+reported), and the test runner's own timeout last. Every child is started in its own process
+group with a parent-death signal and is killed and reaped in ``finally``, pass or fail.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import queue
+import signal
+import subprocess
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, Optional, Sequence
+
+import torch.distributed as dist
+
+from mover_plugin.processes import parent_death_signal, signal_group
+
+_CONTEXT = multiprocessing.get_context("spawn")
+
+
+class RankFailure(AssertionError):
+    """One or more ranks raised, exited without a result, or ran out of time."""
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 60.0,
+    group_timeout_s: float = 20.0,
+) -> list[Any]:
+    """Runs ``fn(rank, world_size, *args)`` on ``world_size`` processes in one gloo group.
+
+    ``fn`` must be importable (module level). Returns the per-rank results in rank order, or
+    raises :class:`RankFailure` with every failed rank's traceback.
+    """
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    results: Any = _CONTEXT.Queue()
+    processes = [
+        _CONTEXT.Process(
+            target=_rank_main,
+            args=(fn, rank, world_size, store.port, group_timeout_s, args, results),
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    try:
+        for process in processes:
+            process.start()
+        return _collect(processes, results, world_size, timeout_s)
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+            process.join(timeout=10)
+        results.close()
+
+
+def _collect(processes: list, results: Any, world_size: int, timeout_s: float) -> list[Any]:
+    deadline = time.monotonic() + timeout_s
+    outcomes: dict[int, tuple[bool, Any]] = {}
+    while len(outcomes) < world_size and time.monotonic() < deadline:
+        try:
+            rank, ok, value = results.get(timeout=0.1)
+            outcomes[rank] = (ok, value)
+        except queue.Empty:
+            if any(p.exitcode not in (None, 0) for p in processes) and _all_done(processes):
+                break
+    failures = []
+    for rank, process in enumerate(processes):
+        ok, value = outcomes.get(rank, (False, None))
+        if ok:
+            continue
+        if value is None:
+            state = "still running" if process.is_alive() else f"exit code {process.exitcode}"
+            value = f"no result within {timeout_s:.0f}s ({state})"
+        failures.append(f"--- rank {rank} ---\n{value}")
+    if failures:
+        raise RankFailure("\n".join(failures))
+    return [outcomes[rank][1] for rank in range(world_size)]
+
+
+def _all_done(processes: list) -> bool:
+    return all(not p.is_alive() for p in processes)
+
+
+def _rank_main(fn, rank, world_size, port, group_timeout_s, args, results) -> None:
+    parent_death_signal(signal.SIGKILL)()
+    try:
+        store = dist.TCPStore("127.0.0.1", port, is_master=False,
+                              timeout=timedelta(seconds=group_timeout_s))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=group_timeout_s))
+        try:
+            value = fn(rank, world_size, *args)
+        finally:
+            dist.destroy_process_group()
+        results.put((rank, True, value))
+    except BaseException:  # report everything, including SystemExit, to the parent
+        results.put((rank, False, traceback.format_exc()))
+
+
+@dataclass
+class CommandResult:
+    returncode: int
+    stdout: str
+    stderr: str
+    wall_time_s: float
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+    def lines_starting(self, prefix: str) -> list[str]:
+        return [line for line in self.output.splitlines() if line.startswith(prefix)]
+
+
+def run_command(
+    command: Sequence[str],
+    *,
+    timeout_s: float,
+    env: Optional[dict[str, str]] = None,
+    cwd: Optional[str] = None,
+) -> CommandResult:
+    """Runs ``command`` in its own process group; kills the whole group on timeout or error."""
+    started = time.monotonic()
+    process = subprocess.Popen(
+        list(command), env={**os.environ, **(env or {})}, cwd=cwd, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+        start_new_session=True, preexec_fn=parent_death_signal(signal.SIGKILL),
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        signal_group(process, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        raise RankFailure(
+            f"{' '.join(command)} did not finish within {timeout_s:.0f}s\n"
+            f"--- stdout ---\n{stdout[-4000:]}\n--- stderr ---\n{stderr[-4000:]}"
+        ) from None
+    finally:
+        signal_group(process, signal.SIGKILL)
+        process.wait()
+    return CommandResult(process.returncode, stdout, stderr, time.monotonic() - started)

@@ -1,0 +1,39 @@
+"""Packaging for mover_plugin.
+
+The top-level ``patches/`` and ``launch/`` folders are installed as the subpackages
+``mover_plugin.patches`` and ``mover_plugin.launch``; neither becomes a top-level import name.
+"""
+
+from setuptools import find_packages, setup
+
+_CORE_PACKAGES = find_packages(include=["mover_plugin", "mover_plugin.*"])
+
+setup(
+    name="mover_plugin",
+    version="0.1.0",
+    description=(
+        "Keeps Megatron-Core and DeepSpeed pretraining jobs running through rank failures "
+        "and planned maintenance."
+    ),
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=_CORE_PACKAGES + ["mover_plugin.patches", "mover_plugin.launch"],
+    package_dir={
+        "mover_plugin.patches": "patches",
+        "mover_plugin.launch": "launch",
+    },
+    package_data={"mover_plugin": ["data/corpus/*.jsonl"]},
+    # Any torch from 2.4 on; the 2.13.0 CPU wheel satisfies this without a download.
+    install_requires=["torch>=2.4", "numpy", "packaging"],
+    extras_require={
+        "megatron": ["megatron-core>=0.16,<0.17"],
+        "deepspeed": ["deepspeed>=0.19.8,<0.20"],
+        "test": ["pytest>=8"],
+    },
+    entry_points={
+        "console_scripts": [
+            "mover-launch=mover_plugin.launch.cli:main",
+        ]
+    },
+)

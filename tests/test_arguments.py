@@ -1,0 +1,55 @@
+"""Pure tests of the Megatron-LM-style flags and their checks (no framework import)."""
+
+import subprocess
+import sys
+
+import pytest
+
+from mover_plugin.errors import ConfigError
+from mover_plugin.megatron.arguments import parse_args
+
+
+def test_defaults_are_derived_from_the_world_size():
+    args = parse_args(["--pipeline-model-parallel-size", "2"], world_size=4)
+    assert args.data_parallel_size == 2
+    assert args.global_batch_size == args.micro_batch_size * 2
+    assert args.ffn_hidden_size == 4 * args.hidden_size
+    assert args.lr_decay_iters == args.train_iters
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--tensor-model-parallel-size", "3"], "world size 4 is not divisible by tensor"),
+        (["--pipeline-model-parallel-size", "2", "--num-layers", "3"],
+         "--num-layers 3 is not divisible by --pipeline-model-parallel-size 2"),
+        (["--global-batch-size", "6", "--micro-batch-size", "4"],
+         "--global-batch-size 6 is not divisible by --micro-batch-size 4"),
+        (["--data-path", "/nonexistent/corpus"], "/nonexistent/corpus.bin"),
+        (["--lr-decay-style", "exponential"], "invalid choice: 'exponential'"),
+        (["--save-interval", "1"], "--save-interval needs --save"),
+        (["--hidden-size", "30", "--num-attention-heads", "4"], "--hidden-size 30 is not divisible"),
+        (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    ],
+)
+def test_bad_flags_name_the_value_and_what_is_valid(argv, message):
+    with pytest.raises(ConfigError) as error:
+        parse_args(argv, world_size=4)
+    assert message in str(error.value)
+
+
+def test_a_file_given_as_checkpoint_folder_is_refused(tmp_path):
+    path = tmp_path / "ckpt"
+    path.write_text("not a folder")
+    with pytest.raises(ConfigError, match="is a file; it must be a folder"):
+        parse_args(["--save", str(path)], world_size=1)
+
+
+def test_checking_flags_imports_neither_torch_nor_megatron():
+    code = (
+        "import sys; from mover_plugin.megatron.arguments import parse_args; "
+        "parse_args([], world_size=1); "
+        "assert not {'torch', 'megatron'} & set(m.split('.')[0] for m in sys.modules), "
+        "sorted(m for m in sys.modules if m.startswith(('torch', 'megatron')))[:5]"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

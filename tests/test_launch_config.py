@@ -1,0 +1,109 @@
+"""Pure tests of mover-launch's flags, hostfiles, injections, mailbox and summary."""
+
+import signal
+import sys
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from mover_plugin.errors import ConfigError
+from mover_plugin.launch.config import parse_injection, parse_launch_args
+from mover_plugin.launch.hostfile import parse_hostfile
+from mover_plugin.launch.mailbox import Mailbox
+from mover_plugin.launch.summary import Interruption, RunSummary
+
+
+def parse(*argv):
+    return parse_launch_args(list(argv), sys.executable)
+
+
+def test_torchrun_flags_and_spellings():
+    config = parse("--nproc_per_node", "4", "--master-port", "1234", "train.py", "--lr", "1")
+    assert config.world_size == 4
+    assert config.master_port == 1234
+    assert config.command[-3:] == ("train.py", "--lr", "1")
+    assert config.runs_controller and config.local_node_ranks == (0,)
+
+
+def test_second_node_runs_only_its_agent():
+    config = parse("--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "2", "t.py")
+    assert config.world_size == 4
+    assert not config.runs_controller
+    assert list(config.nodes[1].ranks) == [2, 3]
+
+
+def test_hostfile_hosts_naming_this_machine_get_local_agents(tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# two hosts\nlocalhost slots=2\n127.0.0.1 slots=3  # second\n")
+    config = parse("--hostfile", str(hostfile), "--standalone", "t.py")
+    assert [n.nproc for n in config.nodes] == [2, 3]
+    assert config.local_node_ranks == (0, 1)
+    assert config.master_port == 0
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("host1\n", "is not of the form 'host slots=N'"),
+        ("host1 slots=0\n", "slots='0' must be a positive integer"),
+        ("\n# nothing\n", "lists no host"),
+    ],
+)
+def test_bad_hostfile_names_file_and_line(tmp_path, text, message):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        parse_hostfile(hostfile)
+
+
+def test_injection_forms():
+    assert parse_injection("3:6") == parse_injection("3:6:SIGKILL")
+    assert parse_injection("1:2:stop").signal == signal.SIGSTOP
+    assert parse_injection("1:2:15").signal == signal.SIGTERM
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--policy", "pray", "t.py"], "'pray' is not a valid --policy; valid: restart"),
+        (["--nproc-per-node", "4", "--inject-failure", "4:1", "t.py"],
+         "rank 4 does not exist; the job has ranks 0..3"),
+        (["--inject-failure", "1:0", "t.py"], "STEP must be 1 or more"),
+        (["--inject-failure", "1:2:SIGNOPE", "t.py"], "unknown signal 'SIGNOPE'"),
+        (["--nproc-per-node", "-2", "t.py"], "'-2' is not a positive integer"),
+        (["--nnodes", "2", "--node-rank", "2", "t.py"], "--node-rank 2 does not exist"),
+        (["--nnodes", "2", "--master-port", "0", "t.py"], "--master-port 0 (any free port)"),
+    ],
+)
+def test_bad_launcher_flags(argv, message):
+    with pytest.raises(ConfigError) as error:
+        parse(*argv)
+    assert message in str(error.value)
+
+
+def test_mailbox_delivers_in_order_to_every_reader():
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=10))
+    writer, reader_a, reader_b = (Mailbox(store, "box") for _ in range(3))
+    for n in range(3):
+        writer.post({"n": n})
+    assert [m["n"] for m in reader_a.poll()] == [0, 1, 2]
+    writer.post({"n": 3})
+    assert [m["n"] for m in reader_a.poll()] == [3]
+    assert [m["n"] for m in reader_b.poll()] == [0, 1, 2, 3]
+    assert reader_b.poll() == []
+
+
+def test_downtime_is_the_gap_between_steps_less_one_step(tmp_path):
+    item = Interruption("failure", rank=3, step=6, how="signal SIGKILL", injected=True,
+                        attempt=0, last_step_before=100.0, step_time_before=0.5)
+    item.mark("failed", 100.2)
+    item.mark("detected", 100.25)
+    item.mark("first_step_completed", 110.5)
+    assert item.downtime_s == pytest.approx(10.0)
+    assert item.to_dict()["phases_s"]["detected"] == pytest.approx(0.05)
+    summary = RunSummary("restart", 4, ["x"], started_at=0.0, finished_at=20.0,
+                         interruptions=[item])
+    summary.write(tmp_path / "summary.json")
+    assert '"downtime_s": 10.0' in (tmp_path / "summary.json").read_text()

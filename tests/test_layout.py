@@ -1,0 +1,54 @@
+"""Pure tests of the parallel layout and the parameter digest helpers."""
+
+import pytest
+
+from mover_plugin.digest import combine_digests, mismatched_replicas
+from mover_plugin.errors import ConfigError
+from mover_plugin.layout import ParallelLayout
+
+
+def test_megatron_rank_order_for_pp2_dp2():
+    layout = ParallelLayout.for_world(4, tp=1, pp=2)
+    assert layout.dp == 2
+    assert layout.data_parallel_group(0) == [0, 1]
+    assert layout.data_parallel_group(3) == [2, 3]
+    assert layout.pipeline_group(1) == [1, 3]
+    assert layout.data_parallel_twins(3) == [2]
+
+
+def test_tp2_pp2_groups():
+    layout = ParallelLayout.for_world(4, tp=2, pp=2)
+    assert layout.dp == 1
+    assert layout.tensor_parallel_group(3) == [2, 3]
+    assert layout.pipeline_group(1) == [1, 3]
+    assert layout.data_parallel_twins(1) == []
+
+
+def test_16k_ranks_every_rank_in_exactly_one_group_of_each_kind():
+    layout = ParallelLayout.for_world(16384, tp=8, pp=16)
+    assert layout.dp == 128
+    seen = sorted(r for group in layout.replica_sets() for r in group)
+    assert seen == list(range(16384))
+    for rank in (0, 1, 8191, 16383):
+        c = layout.coordinates(rank)
+        assert layout.rank(c.tp, c.dp, c.pp) == rank
+        assert rank in layout.pipeline_group(rank)
+        assert len(layout.pipeline_group(rank)) == 16
+
+
+@pytest.mark.parametrize("world, tp, pp", [(4, 3, 1), (4, 1, 3), (6, 4, 1)])
+def test_layout_that_does_not_divide_the_world_is_refused(world, tp, pp):
+    with pytest.raises(ConfigError, match=f"world size {world} is not divisible"):
+        ParallelLayout.for_world(world, tp=tp, pp=pp)
+
+
+def test_rank_outside_the_world_is_refused():
+    with pytest.raises(ConfigError, match="rank 4 does not exist; valid: 0..3"):
+        ParallelLayout.for_world(4, tp=1, pp=2).coordinates(4)
+
+
+def test_mismatched_replicas_finds_the_differing_group():
+    layout = ParallelLayout.for_world(4, tp=1, pp=2)
+    assert mismatched_replicas(layout, ["a", "a", "b", "b"]) == []
+    assert mismatched_replicas(layout, ["a", "a", "b", "c"]) == [[2, 3]]
+    assert combine_digests(["a", "b"]) != combine_digests(["b", "a"])
