@@ -8,7 +8,9 @@ The flags are Megatron-LM's; for example, on 4 CPU processes with TP1 x PP2 x DP
         --num-attention-heads 4 --seq-length 64 --micro-batch-size 2 --global-batch-size 8 \\
         --train-iters 10 --lr 1e-3 --save ckpt --load ckpt --save-interval 1
 
-(``torchrun`` in place of ``mover-launch`` works too.) Without ``--data-path`` it trains on the
+(``torchrun`` in place of ``mover-launch`` works too.) With ``--resilient`` under
+``mover-launch --policy resilient`` a rank that dies is replaced in the running job by a
+standby (see mover_plugin.megatron.resilience). Without ``--data-path`` it trains on the
 corpus shipped with mover_plugin, tokenized as bytes and built into an indexed dataset on first
 use. It prints one line per step and, at the end, ``PARAMS_DIGEST <hex>``: a hash of every
 parameter of every rank, equal for two runs only if they ended bit-identical.
@@ -29,19 +31,22 @@ from datetime import timedelta
 from functools import partial
 
 from mover_plugin.megatron.arguments import parse_args_or_exit
+from mover_plugin.runtime.settings import add_resilience_args
 
 
 def main() -> None:
-    args = parse_args_or_exit()
+    args = parse_args_or_exit(extra_args_provider=add_resilience_args)
     quiet_known_warnings()
     apply_cpu_patches_if_needed()
-    initialize_distributed(args)
     dataset = build_dataset(args)
-    model, optimizer, scheduler = setup_model_and_optimizer(args)
-    iteration = load_checkpoint(args, model, optimizer, scheduler) if args.load else 0
-    train(args, model, optimizer, scheduler, dataset, iteration)
+    resilience = start_resilience(args)  # None without --resilient; a standby waits in here
+    initialize_distributed(args, resilience)
+    with building(resilience):
+        model, optimizer, scheduler = setup_model_and_optimizer(args)
+    iteration = first_iteration(args, resilience, model, optimizer, scheduler)
+    train(args, model, optimizer, scheduler, dataset, iteration, resilience)
     report_params_digest(args, model)
-    shutdown()
+    shutdown(resilience)
 
 
 # -- setup ----------------------------------------------------------------------------------
@@ -50,7 +55,7 @@ def main() -> None:
 def quiet_known_warnings() -> None:
     """Megatron-Core warns on every rank about optional CUDA extensions this run does not use."""
     logging.basicConfig(level=logging.WARNING)
-    warnings.filterwarnings("ignore", message="Apex is not installed")
+    warnings.filterwarnings("ignore", message=".*Apex (is|are) not installed")
     warnings.filterwarnings("ignore", message="full scope is deprecated")
     logging.getLogger("megatron.core.datasets.gpt_dataset").setLevel(logging.ERROR)
 
@@ -65,20 +70,31 @@ def apply_cpu_patches_if_needed() -> None:
         apply_patches("megatron-cpu")
 
 
-def initialize_distributed(args: argparse.Namespace) -> None:
+def start_resilience(args: argparse.Namespace):
+    from mover_plugin.megatron.resilience import MegatronResilience
+
+    return MegatronResilience.start(args)
+
+
+def initialize_distributed(args: argparse.Namespace, resilience) -> None:
     import numpy as np
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
 
-    backend = args.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    timeout = timedelta(minutes=args.distributed_timeout_minutes)
-    dist.init_process_group(backend, timeout=timeout)
-    parallel_state.initialize_model_parallel(
+    parallel = dict(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         distributed_timeout_minutes=args.distributed_timeout_minutes,
     )
+    if resilience is not None:
+        # Abortable groups in the namespace of the current generation.
+        resilience.initialize_distributed(**parallel)
+    else:
+        backend = args.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group(backend,
+                                timeout=timedelta(minutes=args.distributed_timeout_minutes))
+        parallel_state.initialize_model_parallel(**parallel)
     # As Megatron-LM: one seed per pipeline stage; data-parallel replicas draw the same numbers.
     seed = args.seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
     random.seed(seed)
@@ -88,18 +104,13 @@ def initialize_distributed(args: argparse.Namespace) -> None:
 
 
 def build_dataset(args: argparse.Namespace):
-    import torch.distributed as dist
-
+    """The same dataset on every rank, built without any collective (a standby builds it while
+    it waits). The shipped corpus is built into the cache on first use; concurrent builds are
+    safe (files are written under temporary names and renamed)."""
     from mover_plugin.data import build_gpt_dataset, ensure_default_dataset, make_byte_tokenizer
 
     tokenizer = make_byte_tokenizer()
-    prefix = args.data_path
-    if prefix is None:
-        # Rank 0 builds the shipped corpus into the cache on first use; the others then find it.
-        if dist.get_rank() == 0:
-            ensure_default_dataset(args.data_cache_path)
-        dist.barrier()
-        prefix = ensure_default_dataset(args.data_cache_path)
+    prefix = args.data_path or ensure_default_dataset(args.data_cache_path)
     args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args)
     return build_gpt_dataset(
         prefix,
@@ -192,6 +203,24 @@ def setup_model_and_optimizer(args: argparse.Namespace):
     return model, optimizer, scheduler
 
 
+def building(resilience):
+    """A joining standby builds its model with local collectives; others build normally."""
+    import contextlib
+
+    return resilience.building() if resilience is not None else contextlib.nullcontext()
+
+
+def first_iteration(args, resilience, model, optimizer, scheduler) -> int:
+    """0, or the checkpoint's iteration; a joining standby gets everything from its twin."""
+    def load() -> int:
+        return load_checkpoint(args, model, optimizer, scheduler) if args.load else 0
+
+    if resilience is None:
+        return load()
+    resilience.attach(model, optimizer, scheduler)
+    return resilience.first_iteration(load)
+
+
 def shard_id():
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -229,25 +258,38 @@ def save_checkpoint(args, iteration: int, model, optimizer, scheduler) -> None:
 # -- training -------------------------------------------------------------------------------
 
 
-def train(args, model, optimizer, scheduler, dataset, iteration: int) -> None:
+def train(args, model, optimizer, scheduler, dataset, iteration: int, resilience) -> None:
     from mover_plugin.progress import ProgressReporter
 
-    progress = ProgressReporter.from_env()
+    progress = resilience.progress if resilience else ProgressReporter.from_env()
     progress.ready(iteration)
+
+    def step(iteration: int):
+        result = train_step(args, model, optimizer, scheduler, dataset, iteration)
+        if args.save and ((iteration + 1) % (args.save_interval or args.train_iters) == 0
+                          or iteration + 1 == args.train_iters):
+            save_checkpoint(args, iteration + 1, model, optimizer, scheduler)
+        return result
+
     while iteration < args.train_iters:
         started = time.perf_counter()
         progress.step_begin(iteration + 1)
-        loss, grad_norm = train_step(args, model, optimizer, scheduler, dataset, iteration)
-        iteration += 1
+        if resilience is None:
+            result, iteration = step(iteration), iteration + 1
+        else:
+            # Redone in the next generation if a rank is lost; None if completed in a switch.
+            result, iteration = resilience.run_step(iteration, step)
         step_time = time.perf_counter() - started
         if is_logging_rank() and iteration % args.log_interval == 0:
-            lr = optimizer.param_groups[0]["lr"]
-            print(f"step {iteration:5d}/{args.train_iters} | loss {loss:.6f} | lr {lr:.3e} | "
-                  f"grad norm {grad_norm:.4f} | step time {step_time * 1000:.1f} ms", flush=True)
-        if args.save and (iteration % (args.save_interval or args.train_iters) == 0
-                          or iteration == args.train_iters):
-            save_checkpoint(args, iteration, model, optimizer, scheduler)
+            log_step(args, iteration, result, optimizer, step_time)
         progress.step_end(iteration, time.perf_counter() - started)
+
+
+def log_step(args, iteration: int, result, optimizer, step_time: float) -> None:
+    loss, grad_norm = result if result is not None else (float("nan"), float("nan"))
+    lr = optimizer.param_groups[0]["lr"]
+    print(f"step {iteration:5d}/{args.train_iters} | loss {loss:.6f} | lr {lr:.3e} | "
+          f"grad norm {grad_norm:.4f} | step time {step_time * 1000:.1f} ms", flush=True)
 
 
 def train_step(args, model, optimizer, scheduler, dataset, iteration: int):
@@ -341,10 +383,12 @@ def report_params_digest(args, model) -> None:
         print(f"PARAMS_DIGEST {combine_digests(digests)}", flush=True)
 
 
-def shutdown() -> None:
+def shutdown(resilience) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
+    if resilience is not None:
+        resilience.finish()
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
 

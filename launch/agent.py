@@ -1,10 +1,14 @@
 """The per-host agent: starts the workers of one host, watches them, obeys the controller.
 
-The agent reads the controller's commands (``start``, ``stop``, ``finish``, ``abort``) from the
-store and posts what it sees (``joined``, ``started``, ``ready``, ``first_step``,
-``worker_exit``, ``injected``, ``stopped``, ``node_done``) as events. It notices a worker's exit
-within one poll period (10 ms), reads each worker's progress pipe to deliver injected failures
-at the step they name, and stops every worker when the controller goes away.
+The agent reads the controller's commands (``start``, ``stop``, ``promote``, ``generation``,
+``finish``, ``abort``) from the store and posts what it sees (``joined``, ``started``,
+``ready``, ``first_step``, ``worker_exit``, ``injected``, ``hung``, ``standby_ready``,
+``standby_exit``, ``stopped``, ``node_done``) as events. It notices a process's exit within one
+poll period (10 ms), reads each process's progress pipe to deliver injected failures at the
+step they name and to see heartbeats (a process silent past the timeout its heartbeats
+announce is killed, so that its exit starts the recovery), and stops every process when the
+controller goes away. Besides the workers it starts the host's standby processes (same
+command, ``MOVER_STANDBY_ID`` set, no rank) and relabels one as a worker when promoted.
 
 Run as ``python -m mover_plugin.launch.agent`` with its settings as JSON in
 ``MOVER_AGENT_CONFIG`` (the launcher does this), or in-process through :class:`Agent`.
@@ -17,6 +21,7 @@ import logging
 import os
 import selectors
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -30,8 +35,10 @@ from mover_plugin.launch.config import FailureInjection, NodeSpec
 from mover_plugin.launch.mailbox import Mailbox
 from mover_plugin.processes import describe_exit, start_process, stop_processes
 from mover_plugin.progress import (
+    HEARTBEAT,
     PROGRESS_FD_ENV,
     READY,
+    STANDBY_READY,
     STEP_BEGIN,
     STEP_END,
     ProgressEvent,
@@ -53,6 +60,7 @@ class AgentConfig:
     command: tuple[str, ...]
     injections: tuple[FailureInjection, ...] = ()
     stop_grace_s: float = 5.0
+    standbys: int = 0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -68,17 +76,20 @@ class AgentConfig:
             command=tuple(raw["command"]),
             injections=tuple(FailureInjection(**i) for i in raw["injections"]),
             stop_grace_s=raw["stop_grace_s"],
+            standbys=raw["standbys"],
         )
 
 
 @dataclass
 class Worker:
-    """One worker process and what the agent knows of its progress."""
+    """One worker or standby process and what the agent knows of its progress."""
 
-    rank: int
+    rank: Optional[int]
+    """The global rank; None for a standby not promoted yet."""
     attempt: int
     process: subprocess.Popen
     pipe: int
+    standby: Optional[str] = None
     reader: ProgressLineReader = field(default_factory=ProgressLineReader)
     step_begun: int = 0
     step_completed: int = 0
@@ -87,6 +98,10 @@ class Worker:
     ready_reported: bool = False
     first_step_reported: bool = False
     exited: bool = False
+    last_heard: float = field(default_factory=time.monotonic)
+    hang_timeout_s: Optional[float] = None
+    step_durations: list[float] = field(default_factory=list)
+    peak_rss_mb: Optional[float] = None
 
     def progress_fields(self) -> dict[str, Any]:
         return {
@@ -95,7 +110,24 @@ class Worker:
             "step_completed": self.step_completed,
             "last_step_end": self.last_step_end,
             "last_step_duration": self.last_step_duration,
+            "median_step_s": statistics.median(self.step_durations) if self.step_durations
+            else None,
+            "peak_rss_mb": self.peak_rss_mb,
         }
+
+    def reap(self) -> bool:
+        """Collects the exit status (and peak memory) if the process has exited."""
+        if self.process.returncode is not None:
+            return True
+        try:
+            pid, status, usage = os.wait4(self.process.pid, os.WNOHANG)
+        except ChildProcessError:  # reaped elsewhere (e.g. by Popen.wait)
+            return self.process.poll() is not None
+        if pid == 0:
+            return False
+        self.process.returncode = os.waitstatus_to_exitcode(status)
+        self.peak_rss_mb = usage.ru_maxrss / 1024  # Linux reports KiB
+        return True
 
 
 class Agent:
@@ -106,8 +138,11 @@ class Agent:
         self._events = Mailbox(store, "events")
         self._workers: list[Worker] = []
         self._selector = selectors.DefaultSelector()
-        self._pending_injections = {(i.rank, i.step): i for i in config.injections}
+        self._pending_injections = sorted(config.injections, key=lambda i: (i.step, i.rank))
+        self._armed = False
+        """Injected failures wait until the controller says the job is fully provisioned."""
         self._attempt = -1
+        self._generation = 0
 
     def run(self) -> int:
         """Serves the controller until it says ``finish`` (returns 0) or ``abort`` (1)."""
@@ -133,7 +168,16 @@ class Agent:
     def _obey(self, command: dict[str, Any]) -> Optional[int]:
         op = command["op"]
         if op == "start":
+            self._generation = command["generation"]
             self._start_workers(command["attempt"], command["store_port"])
+        elif op == "arm":
+            self._armed = True
+        elif op == "promote":
+            self._promote(command["standby"], command["rank"])
+        elif op == "generation":
+            self._generation = command["generation"]
+            for worker in self._workers:
+                worker.first_step_reported = worker.ready_reported = False
         elif op == "stop" and command["attempt"] == self._attempt:
             progress = [w.progress_fields() for w in self._workers]
             self._stop_workers()
@@ -147,27 +191,52 @@ class Agent:
     def _start_workers(self, attempt: int, store_port: int) -> None:
         self._stop_workers()
         self._attempt = attempt
-        node = self.config.node
-        for local_rank, rank in enumerate(node.ranks):
-            read_fd, write_fd = os.pipe()
-            env = self._worker_env(rank, local_rank, attempt, store_port, write_fd)
-            process = start_process(list(self.config.command), env, pass_fds=(write_fd,))
-            os.close(write_fd)
-            os.set_blocking(read_fd, False)
-            worker = Worker(rank, attempt, process, read_fd)
-            self._selector.register(read_fd, selectors.EVENT_READ, worker)
-            self._workers.append(worker)
-        self._post("started", pids={w.rank: w.process.pid for w in self._workers})
+        for local_rank, rank in enumerate(self.config.node.ranks):
+            self._spawn(rank, local_rank, store_port)
+        for index in range(self.config.standbys):
+            self._spawn(None, None, store_port,
+                        standby=f"a{attempt}.n{self.config.node.node_rank}.s{index}")
+        self._post("started", pids={w.rank: w.process.pid for w in self._workers
+                                    if w.rank is not None})
+
+    def _spawn(self, rank: Optional[int], local_rank: Optional[int], store_port: int,
+               standby: Optional[str] = None) -> None:
+        """Starts a worker (or, with ``standby``, a standby) with a progress pipe; tracks it."""
+        read_fd, write_fd = os.pipe()
+        env = self._worker_env(rank, local_rank, self._attempt, store_port, write_fd)
+        if standby is not None:
+            env["MOVER_STANDBY_ID"] = standby
+        process = start_process(list(self.config.command), env, pass_fds=(write_fd,))
+        os.close(write_fd)
+        os.set_blocking(read_fd, False)
+        worker = Worker(rank, self._attempt, process, read_fd, standby=standby)
+        self._selector.register(read_fd, selectors.EVENT_READ, worker)
+        self._workers.append(worker)
+
+    def _promote(self, standby: str, rank: int) -> None:
+        # The process that held the rank before is gone; the standby holds it from now on.
+        for worker in [w for w in self._workers if w.rank == rank and w.exited]:
+            self._close_pipe(worker)
+            self._workers.remove(worker)
+        for worker in self._workers:
+            if worker.standby == standby:
+                worker.rank = rank
+                worker.ready_reported = worker.first_step_reported = False
+                return
+        logger.error("node %d: no standby %s to promote", self.config.node.node_rank, standby)
 
     def _worker_env(
-        self, rank: int, local_rank: int, attempt: int, store_port: int, progress_fd: int
+        self, rank: Optional[int], local_rank: Optional[int], attempt: int, store_port: int,
+        progress_fd: int,
     ) -> dict[str, str]:
         node = self.config.node
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")
+        for name in ("RANK", "LOCAL_RANK"):
+            env.pop(name, None)
+        if rank is not None:
+            env.update(RANK=str(rank), LOCAL_RANK=str(local_rank))
         env.update(
-            RANK=str(rank),
-            LOCAL_RANK=str(local_rank),
             WORLD_SIZE=str(self.config.world_size),
             LOCAL_WORLD_SIZE=str(node.nproc),
             GROUP_RANK=str(node.node_rank),
@@ -179,6 +248,7 @@ class Agent:
             MOVER_CONTROL_ADDR=self.config.master_addr,
             MOVER_CONTROL_PORT=str(self.config.master_port),
             MOVER_ATTEMPT=str(attempt),
+            MOVER_GENERATION=str(self._generation),
         )
         env[PROGRESS_FD_ENV] = str(progress_fd)
         return env
@@ -209,7 +279,15 @@ class Agent:
                 self._on_progress(worker, event)
 
     def _on_progress(self, worker: Worker, event: ProgressEvent) -> None:
-        if event.kind == READY and not worker.ready_reported:
+        worker.last_heard = time.monotonic()
+        if event.kind == HEARTBEAT:
+            # A timeout of 0 ends the watch: the process is shutting down.
+            worker.hang_timeout_s = event.duration_s or None
+        elif event.kind == STANDBY_READY:
+            self._post("standby_ready", standby=worker.standby, time=event.time)
+        elif event.generation >= 0 and event.generation < self._generation:
+            return  # a report from before the current generation, read late
+        elif event.kind == READY and not worker.ready_reported:
             worker.ready_reported = True
             self._post("ready", rank=worker.rank, step=event.step, time=event.time)
         elif event.kind == STEP_BEGIN:
@@ -219,15 +297,20 @@ class Agent:
             worker.step_completed = event.step
             worker.last_step_end = event.time
             worker.last_step_duration = event.duration_s
+            worker.step_durations.append(event.duration_s)
             if not worker.first_step_reported:
                 worker.first_step_reported = True
                 self._post("first_step", rank=worker.rank, step=event.step, time=event.time,
                            duration=event.duration_s)
 
     def _maybe_inject(self, worker: Worker, step: int) -> None:
-        injection = self._pending_injections.pop((worker.rank, step), None)
-        if injection is None:
+        if not self._armed:
             return
+        due = [i for i in self._pending_injections if i.rank == worker.rank and i.step <= step]
+        if not due:
+            return
+        injection = due[0]
+        self._pending_injections.remove(injection)
         os.kill(worker.process.pid, injection.signal)
         logger.warning("injected %s into rank %d at step %d", injection.signal_name,
                        worker.rank, step)
@@ -235,17 +318,36 @@ class Agent:
 
     def _check_exits(self) -> None:
         for worker in self._workers:
-            if worker.exited or worker.process.poll() is None:
+            if worker.exited:
+                continue
+            if not worker.reap():
+                self._check_heartbeat(worker)
                 continue
             self._drain(worker)
             worker.exited = True
             returncode = worker.process.returncode
-            self._post("worker_exit", returncode=returncode, how=describe_exit(returncode),
-                       **worker.progress_fields())
-        if self._workers and all(w.exited and w.process.returncode == 0 for w in self._workers):
-            steps = min(w.step_completed for w in self._workers)
-            self._workers = []
-            self._post("node_done", steps_completed=steps)
+            if worker.rank is None:
+                self._post("standby_exit", standby=worker.standby, returncode=returncode,
+                           how=describe_exit(returncode))
+            else:
+                self._post("worker_exit", returncode=returncode, how=describe_exit(returncode),
+                           **worker.progress_fields())
+        ranked = [w for w in self._workers if w.rank is not None]
+        if ranked and all(w.exited and w.process.returncode == 0 for w in ranked):
+            steps = min(w.step_completed for w in ranked)
+            workers = [w.progress_fields() for w in ranked]
+            self._stop_workers()  # the standbys left over
+            self._post("node_done", steps_completed=steps, workers=workers)
+
+    def _check_heartbeat(self, worker: Worker) -> None:
+        timeout = worker.hang_timeout_s
+        if timeout is None or time.monotonic() - worker.last_heard <= timeout:
+            return
+        worker.hang_timeout_s = None  # report and kill once
+        silent = time.monotonic() - worker.last_heard
+        logger.warning("rank %s silent for %.1f s; killing it as hung", worker.rank, silent)
+        self._post("hung", rank=worker.rank, standby=worker.standby, silent_s=silent)
+        worker.process.kill()
 
     def _drain(self, worker: Worker) -> None:
         """Reads what the worker wrote before exiting."""
@@ -273,7 +375,7 @@ class Agent:
     def _post(self, kind: str, **fields: Any) -> None:
         fields.setdefault("time", time.time())
         self._events.post({"kind": kind, "node": self.config.node.node_rank,
-                           "attempt": self._attempt, **fields})
+                           "attempt": self._attempt, "generation": self._generation, **fields})
 
 
 def connect_to_controller(addr: str, port: int, timeout_s: float) -> dist.TCPStore:

@@ -85,6 +85,7 @@ def _agent_config(config: LaunchConfig, node_rank: int, port: int) -> AgentConfi
         command=config.command,
         injections=tuple(i for i in config.injections if i.rank in node.ranks),
         stop_grace_s=config.stop_grace_s,
+        standbys=config.standbys,
     )
 
 

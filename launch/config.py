@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 from mover_plugin.errors import ConfigError
 from mover_plugin.launch.hostfile import HostEntry, is_local_host, parse_hostfile
 
-POLICIES = ("restart",)
+POLICIES = ("restart", "resilient")
 DEFAULT_MASTER_PORT = 29500
 
 
@@ -70,6 +70,10 @@ class LaunchConfig:
     max_restarts: int = 3
     injections: tuple[FailureInjection, ...] = ()
     summary_path: Optional[str] = None
+    event_log_path: Optional[str] = None
+    """JSON-lines event log of the controller."""
+    standbys: int = 0
+    """Standby processes per host (resilient policy)."""
     stop_grace_s: float = 5.0
     """Seconds between SIGTERM and SIGKILL when the launcher stops workers."""
     join_timeout_s: float = 300.0
@@ -109,13 +113,20 @@ def build_parser() -> argparse.ArgumentParser:
         "agent each from this command; other hosts run 'mover-launch --node-rank N' themselves.")
     add("--policy", default="restart", type=_choice("--policy", POLICIES),
         help="What to do when a worker dies. restart: stop all workers, start all again; the "
-        "script resumes from its latest checkpoint.")
+        "script resumes from its latest checkpoint. resilient: a standby takes the lost rank's "
+        "place in the running job (the script must run with --resilient); without a standby "
+        "or a data-parallel twin it falls back to restart.")
+    add("--standbys", type=_non_negative_int, default=None,
+        help="Standby processes per host (resilient policy; default 1).")
+    add("--event-log", dest="event_log", default=None, metavar="PATH",
+        help="Append the controller's events to PATH as JSON lines.")
     add("--max-restarts", "--max_restarts", dest="max_restarts", type=_non_negative_int,
         default=3, help="How many times the restart policy may restart the workers (default 3).")
     add("--inject-failure", dest="inject_failure", action="append", default=[],
         type=_injection_argument, metavar="RANK:STEP[:SIGNAL]",
         help="Deliver SIGNAL (default SIGKILL) to global RANK when it begins STEP (1-based). "
-        "Repeatable; each fires once.")
+        "Repeatable; each fires once. With standbys it fires only once every standby is "
+        "ready: at STEP or, if they are not ready by then, at the first step after.")
     add("--summary", default=None, metavar="PATH", help="Write a JSON run summary to PATH.")
     add("--stop-grace-s", type=_positive_float, default=5.0,
         help="Seconds between SIGTERM and SIGKILL when stopping workers (default 5).")
@@ -137,6 +148,7 @@ def parse_launch_args(argv: Sequence[str], python: str) -> LaunchConfig:
     world_size = sum(node.nproc for node in nodes)
     local, runs_controller = _local_nodes(args, nodes)
     master_port = _master_port(args, nodes, local)
+    standbys = _standbys(args)
     for injection in args.inject_failure:
         if injection.rank >= world_size:
             raise ConfigError(
@@ -155,6 +167,8 @@ def parse_launch_args(argv: Sequence[str], python: str) -> LaunchConfig:
         max_restarts=args.max_restarts,
         injections=tuple(args.inject_failure),
         summary_path=args.summary,
+        event_log_path=args.event_log,
+        standbys=standbys,
         stop_grace_s=args.stop_grace_s,
         join_timeout_s=args.join_timeout_s,
         preflight=args.preflight,
@@ -196,6 +210,17 @@ def _signal(name: str, text: str) -> int:
         f"{text!r}: unknown signal {name!r} (use a name like SIGKILL, SIGTERM, "
         "SIGSTOP, SIGSEGV or its number)"
     )
+
+
+def _standbys(args: argparse.Namespace) -> int:
+    if args.policy != "resilient":
+        if args.standbys:
+            raise ConfigError(
+                f"--standbys {args.standbys} needs --policy resilient (the restart policy "
+                "uses no standby)"
+            )
+        return 0
+    return 1 if args.standbys is None else args.standbys
 
 
 def _nodes(args: argparse.Namespace) -> tuple[NodeSpec, ...]:

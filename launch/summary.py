@@ -4,10 +4,12 @@ An interruption moves through phases, each stamped with wall-clock time:
 
 * ``failed`` — the signal was delivered (injected failures) or, for a failure nobody injected,
   when it was detected;
-* ``detected`` — the agent saw the worker exit;
-* ``stopped`` — every other worker of the job was stopped (restart policy);
-* ``started`` — the new workers were started;
-* ``recovered`` — every rank is ready to train again (checkpoint loaded);
+* ``detected`` — the agent saw the worker exit (or declared it hung);
+* resilient policy: ``alarm`` — the controller posted the next generation's plan and the alarm;
+  ``left`` — every survivor had left the failed step; ``switched`` — every rank, the
+  replacement included, runs in the new generation;
+* restart policy: ``stopped`` — every other worker was stopped; ``started`` — the new workers
+  were started; ``recovered`` — every rank is ready to train again (checkpoint loaded);
 * ``first_step_completed`` — every rank completed its first step after the interruption.
 
 ``downtime_s`` is the time training stood still: the gap between the last step completed
@@ -22,13 +24,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
-PHASES = ("failed", "detected", "stopped", "started", "recovered", "first_step_completed")
+PHASES = ("failed", "detected", "alarm", "left", "switched", "stopped", "started", "recovered",
+          "first_step_completed")
 
 
 @dataclass
 class Interruption:
     kind: str
-    """``failure``: a worker died (crash, kill, or any non-zero exit)."""
+    """``failure``: a worker died (crash, kill, or any non-zero exit); ``hang``: a worker
+    stopped sending heartbeats and was killed."""
     rank: int
     step: int
     """The step the rank was running when it failed (1-based; 0 before the first step)."""
@@ -36,7 +40,12 @@ class Interruption:
     """The exit as the agent saw it, e.g. ``signal SIGKILL`` or ``exit code 1``."""
     injected: bool
     attempt: int
+    recovery: str = "restart"
+    """``standby`` (a standby took the rank's place in-process) or ``restart``."""
+    generation: int = 0
     times: dict[str, float] = field(default_factory=dict)
+    left_s: dict[int, float] = field(default_factory=dict)
+    """Per survivor: seconds from the failure until it left the failed step."""
     last_step_before: Optional[float] = None
     step_time_before: Optional[float] = None
 
@@ -60,12 +69,15 @@ class Interruption:
             "how": self.how,
             "injected": self.injected,
             "attempt": self.attempt,
+            "generation": self.generation,
+            "recovery": self.recovery,
             "times": {p: self.times[p] for p in PHASES if p in self.times},
             "phases_s": {
                 p: round(self.times[p] - failed, 6)
                 for p in PHASES
                 if p in self.times and failed is not None
             },
+            "left_s": {str(r): round(t, 6) for r, t in sorted(self.left_s.items())},
             "downtime_s": None if self.downtime_s is None else round(self.downtime_s, 6),
         }
 
@@ -80,6 +92,10 @@ class RunSummary:
     exit_code: Optional[int] = None
     steps_completed: Optional[int] = None
     restarts: int = 0
+    worker_peak_rss_mb: Optional[float] = None
+    """The largest peak resident memory of any worker that completed the job."""
+    median_step_time_s: Optional[float] = None
+    """The median over ranks of each rank's median step time (last attempt)."""
     interruptions: list[Interruption] = field(default_factory=list)
 
     @property

@@ -22,18 +22,23 @@ PROGRESS_FD_ENV = "MOVER_PROGRESS_FD"
 STEP_BEGIN = "step_begin"
 STEP_END = "step_end"
 READY = "ready"
-KINDS = (STEP_BEGIN, STEP_END, READY)
+STANDBY_READY = "standby_ready"
+HEARTBEAT = "heartbeat"
+KINDS = (STEP_BEGIN, STEP_END, READY, STANDBY_READY, HEARTBEAT)
 
 
 @dataclass(frozen=True)
 class ProgressEvent:
     """One report: ``kind`` is one of :data:`KINDS`; ``step`` is 1-based (for ``ready``, the
-    number of steps already completed); ``duration_s`` is the step time of a ``step_end``."""
+    number of steps already completed); ``duration_s`` is the step time of a ``step_end`` and,
+    for a ``heartbeat``, the silence after which the agent may declare the process hung."""
 
     kind: str
     step: int
     time: float
     duration_s: float = 0.0
+    generation: int = -1
+    """The worker's generation when it reported (-1: not a resilient worker)."""
 
     def encode(self) -> bytes:
         return (json.dumps(self.__dict__, separators=(",", ":")) + "\n").encode()
@@ -51,6 +56,7 @@ class ProgressReporter:
 
     def __init__(self, fd: Optional[int]) -> None:
         self._fd = fd
+        self.generation = -1
 
     @classmethod
     def from_env(cls) -> "ProgressReporter":
@@ -63,18 +69,27 @@ class ProgressReporter:
 
     def ready(self, completed_steps: int) -> None:
         """The rank has built everything and is about to run step ``completed_steps + 1``."""
-        self._send(ProgressEvent(READY, completed_steps, time.time()))
+        self._send(ProgressEvent(READY, completed_steps, time.time(), generation=self.generation))
+
+    def standby_ready(self) -> None:
+        """A standby has warmed up and waits to be promoted."""
+        self._send(ProgressEvent(STANDBY_READY, 0, time.time(), generation=self.generation))
+
+    def heartbeat(self, failure_timeout_s: float) -> None:
+        self._send(ProgressEvent(HEARTBEAT, 0, time.time(), failure_timeout_s, self.generation))
 
     def step_begin(self, step: int) -> None:
-        self._send(ProgressEvent(STEP_BEGIN, step, time.time()))
+        self._send(ProgressEvent(STEP_BEGIN, step, time.time(), generation=self.generation))
 
     def step_end(self, step: int, duration_s: float) -> None:
-        self._send(ProgressEvent(STEP_END, step, time.time(), duration_s))
+        self._send(ProgressEvent(STEP_END, step, time.time(), duration_s, self.generation))
 
     def _send(self, event: ProgressEvent) -> None:
         if self._fd is None:
             return
         try:
+            # One write of a short line is atomic on a pipe, so the heartbeat thread and the
+            # training loop never interleave their lines.
             os.write(self._fd, event.encode())
         except OSError:
             # The agent is gone; the worker is about to be stopped anyway.

@@ -13,7 +13,9 @@ tested for, and a condition saying when it is wanted. The patches are:
   :class:`~mover_plugin.errors.PatchError`, before anything is modified;
 - **conditional**: a patch whose condition is false is skipped and listed in
   ``AppliedPatches.skipped``. The ``megatron-cpu`` group (:mod:`mover_plugin.patches.megatron_cpu`)
-  applies only while ``torch.cuda.is_available()`` is False.
+  applies only while ``torch.cuda.is_available()`` is False. The ``local-collectives`` patch
+  (:mod:`mover_plugin.patches.local_collectives`) keeps a joining standby's model build from
+  talking to the running ranks.
 
 Applying a patch that is already applied raises :class:`~mover_plugin.errors.PatchError`.
 
@@ -26,7 +28,7 @@ Example::
         ...                   # build and train a Megatron-Core model on CPU with gloo
 """
 
-from mover_plugin.patches import megatron_cpu
+from mover_plugin.patches import local_collectives, megatron_cpu
 from mover_plugin.patches.registry import (
     DEFAULT_REGISTRY,
     AppliedPatches,
@@ -51,6 +53,7 @@ __all__ = [
     "active_patches",
     "apply_patches",
     "available_patches",
+    "local_collectives",
     "megatron_cpu",
     "patch_groups",
     "register_patch",

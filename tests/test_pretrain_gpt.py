@@ -6,48 +6,17 @@ with the failure-free result, and that bad flags fail before any worker starts.
 """
 
 import json
-import re
-import sys
-from pathlib import Path
 
 import pytest
 
-from mover_plugin.testing import run_command
+from gpt_jobs import digest, losses, pretrain
 
 pytest.importorskip("megatron.core")
 
-EXAMPLE = str(Path(__file__).parents[1] / "examples" / "pretrain_gpt.py")
-LAUNCH = [sys.executable, "-m", "mover_plugin.launch.cli"]
-MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
-         "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "8"]
-STEP_LINE = re.compile(r"^step\s+(\d+)/\d+ \| loss (\S+)", re.MULTILINE)
 
-
-def pretrain(*flags, launcher_flags=(), timeout_s=300):
-    result = run_command(
-        [*LAUNCH, "--standalone", "--nproc-per-node", "4", *launcher_flags, EXAMPLE, *MODEL,
-         *flags],
-        timeout_s=timeout_s,
-    )
-    return result
-
-
-def digest(result):
-    lines = result.lines_starting("PARAMS_DIGEST")
-    assert len(lines) == 1, result.output[-4000:]
-    return lines[0].split()[1]
-
-
-def losses(result):
-    return {int(step): float(loss) for step, loss in STEP_LINE.findall(result.stdout)}
-
-
-@pytest.fixture(scope="module")
-def reference():
-    """TP1 x PP2 x DP2, 10 steps, no interruption."""
-    result = pretrain("--pipeline-model-parallel-size", "2", "--train-iters", "10")
-    assert result.returncode == 0, result.output[-4000:]
-    return result
+@pytest.fixture
+def reference(reference_pp2):
+    return reference_pp2
 
 
 def test_tp1_pp2_dp2_trains(reference):
@@ -57,15 +26,22 @@ def test_tp1_pp2_dp2_trains(reference):
     assert "DP_REPLICAS identical" in reference.stdout
 
 
-@pytest.mark.parametrize("tp, pp", [(2, 2), (2, 1)])
-def test_tensor_parallel_layouts_train(tp, pp):
-    result = pretrain("--tensor-model-parallel-size", str(tp),
-                      "--pipeline-model-parallel-size", str(pp), "--train-iters", "6")
+def _check_trains(result):
     assert result.returncode == 0, result.output[-4000:]
     steps = losses(result)
     assert sorted(steps) == list(range(1, 7))
     assert steps[6] < steps[1] - 0.3
     assert "DP_REPLICAS identical" in result.stdout
+
+
+def test_tp2_pp2_dp1_trains(reference_tp2_pp2):
+    _check_trains(reference_tp2_pp2)
+
+
+def test_tp2_pp1_dp2_trains():
+    result = pretrain("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "1",
+                      "--train-iters", "6")
+    _check_trains(result)
 
 
 def test_save_and_load_resume_bit_exactly(tmp_path, reference):

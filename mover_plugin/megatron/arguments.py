@@ -20,6 +20,7 @@ from typing import Callable, Optional, Sequence
 
 from mover_plugin.errors import ConfigError
 from mover_plugin.layout import ParallelLayout
+from mover_plugin.runtime.settings import ResilienceSettings
 
 PREFLIGHT_ENV = "MOVER_PREFLIGHT"
 PREFLIGHT_OK = "MOVER_PREFLIGHT_OK"
@@ -126,7 +127,7 @@ def parse_args(
     args.world_size = world_size
     args.data_parallel_size = layout.dp
     _fill_defaults(args)
-    for check in (_check_model, _check_batch, _check_schedule, _check_paths):
+    for check in (_check_model, _check_batch, _check_schedule, _check_paths, _check_resilience):
         check(args)
     return args
 
@@ -241,6 +242,18 @@ def _check_paths(args: argparse.Namespace) -> None:
         path = getattr(args, flag)
         if path is not None and Path(path).exists() and not Path(path).is_dir():
             raise ConfigError(f"--{flag} {path!r} is a file; it must be a folder")
+
+
+def _check_resilience(args: argparse.Namespace) -> None:
+    """Checks the resilience flags when the script added them (``add_resilience_args``)."""
+    if not hasattr(args, "resilient"):
+        return
+    args.resilience = ResilienceSettings.from_args(args)
+    if args.resilient and args.use_distributed_optimizer:
+        raise ConfigError(
+            "--resilient with --use-distributed-optimizer is not supported yet (the optimizer "
+            "state is sharded; a replacement could not copy it from a twin); drop one of them"
+        )
 
 
 def _positive(args: argparse.Namespace, *names: str) -> None:

@@ -1,0 +1,49 @@
+"""Abortable communication: a c10d backend whose collectives can be left on an alarm.
+
+Survivors of a rank failure must leave a collective that waits for the dead (or hung) peer
+within milliseconds, not at the backend timeout, and then build the next generation of groups
+in the same process. This package provides:
+
+- :mod:`~mover_plugin.comm.alarm` — the process-wide alarm (``raise_alarm``, ``clear_alarm``,
+  ``is_raised``) that aborts every group created before it;
+- :mod:`~mover_plugin.comm.backend` — ``register_backend()``, after which
+  ``init_process_group("mover", ...)`` and every ``new_group`` without a backend build
+  :class:`MoverProcessGroup` (gloo on CPU, NCCL on CUDA, behind one class);
+- :mod:`~mover_plugin.comm.work` — the work handles whose ``wait()`` can be abandoned;
+- :mod:`~mover_plugin.comm.retired` — keeps abandoned communicators alive until their pending
+  operations end, so that destroying a generation never blocks.
+
+The alarm is raised in a worker by ``mover_plugin.runtime.control.ControlClient.watch_alarm``
+when the controller sets the generation's alarm key.
+
+Typical use in a rank::
+
+    register_backend()
+    dist.init_process_group("mover", store=PrefixStore("gen0", store), rank=r, world_size=n)
+    control.watch_alarm(0, raise_alarm)      # a thread blocked on the store key
+    try:
+        train_step()
+    except CollectiveAborted:
+        dist.destroy_process_group()          # instant, even with an op still pending
+        clear_alarm()
+        dist.init_process_group("mover", store=PrefixStore("gen1", store), ...)
+"""
+
+from mover_plugin.comm.alarm import clear_alarm, is_raised, raise_alarm
+from mover_plugin.comm.backend import is_registered, register_backend
+from mover_plugin.comm.errors import CollectiveAborted, CommAborted
+from mover_plugin.comm.process_group import BACKEND_NAME, MoverProcessGroup
+from mover_plugin.comm.work import AbortableWork
+
+__all__ = [
+    "BACKEND_NAME",
+    "AbortableWork",
+    "CollectiveAborted",
+    "CommAborted",
+    "MoverProcessGroup",
+    "clear_alarm",
+    "is_raised",
+    "raise_alarm",
+    "is_registered",
+    "register_backend",
+]

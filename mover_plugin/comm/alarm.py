@@ -1,0 +1,134 @@
+"""The process-wide alarm that makes every abortable collective give up.
+
+A controller (through a thread blocked on a store key, see ``ControlClient.watch_alarm``) or the runtime
+itself calls :func:`raise_alarm` when a peer is gone. From then on every process group of the
+``mover`` backend created before the alarm refuses new operations and every ``wait()`` on its
+work raises :class:`~mover_plugin.comm.errors.CollectiveAborted`.
+
+The alarm counts *epochs*: each transition from "clear" to "raised" starts a new epoch. A group
+remembers the epoch it was created in and is aborted as soon as the epoch moves on, so groups of
+the old generation stay aborted after :func:`clear_alarm`, while groups built after the alarm
+(the next generation) work whether or not the alarm has been cleared yet. Raising an alarm that
+is already raised changes nothing (several detectors may report the same incident); call
+:func:`clear_alarm` once the next generation exists to re-arm it.
+
+Waiters block on one condition variable, so raising the alarm wakes them at once; listeners
+(e.g. NCCL communicator aborts) run synchronously in the raising thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable, Optional
+
+logger = logging.getLogger(__name__)
+
+_cond = threading.Condition(threading.Lock())
+_epoch = 0
+_raised = False
+_reason: Optional[str] = None
+_raised_at: Optional[float] = None
+_listeners: list[Callable[[str], None]] = []
+_reasons: dict[int, str] = {}  # epoch -> reason; alarms are rare, so this stays small
+
+
+def raise_alarm(reason: str) -> int:
+    """Raises the alarm; returns the epoch it started (or the current one if already raised).
+
+    Wakes every thread blocked in an abortable ``wait()`` and runs the listeners in this thread.
+    Safe to call from any thread, including signal handlers' Python callbacks.
+    """
+    global _epoch, _raised, _reason, _raised_at
+    with _cond:
+        if _raised:
+            return _epoch
+        _epoch += 1
+        _raised = True
+        _reason = reason
+        _raised_at = time.monotonic()
+        _reasons[_epoch] = reason
+        epoch = _epoch
+        listeners = list(_listeners)
+        _cond.notify_all()
+    logger.warning("alarm raised (epoch %d): %s", epoch, reason)
+    for listener in listeners:
+        try:
+            listener(reason)
+        except Exception:  # one failing listener must not keep the others from running
+            logger.exception("alarm listener %r failed", listener)
+    return epoch
+
+
+def clear_alarm() -> None:
+    """Re-arms the alarm. Groups created before the last alarm stay aborted."""
+    global _raised, _reason, _raised_at
+    with _cond:
+        _raised = False
+        _reason = None
+        _raised_at = None
+
+
+def is_raised() -> bool:
+    """Whether the alarm is raised now."""
+    return _raised
+
+
+def reason() -> Optional[str]:
+    """The reason given to the raised alarm, or ``None`` when clear."""
+    return _reason
+
+
+def raised_at() -> Optional[float]:
+    """``time.monotonic()`` when the raised alarm was raised, or ``None`` when clear."""
+    return _raised_at
+
+
+def current_epoch() -> int:
+    """The number of alarms raised so far in this process."""
+    return _epoch
+
+
+def reason_after(epoch: int) -> Optional[str]:
+    """The reason of the first alarm raised after ``epoch``, or ``None`` if there was none."""
+    return _reasons.get(epoch + 1)
+
+
+def wait_for_alarm(timeout_s: Optional[float] = None) -> bool:
+    """Blocks until the alarm is raised or ``timeout_s`` passes; returns whether it is raised."""
+    with _cond:
+        return _cond.wait_for(lambda: _raised, timeout=timeout_s)
+
+
+def wait_for_epoch_change(epoch: int, timeout_s: float) -> bool:
+    """Blocks up to ``timeout_s`` until the epoch differs from ``epoch``; returns whether it does.
+
+    Used by abortable work to sleep between completion polls without missing an alarm.
+    """
+    with _cond:
+        if _epoch != epoch:
+            return True
+        _cond.wait(timeout_s)
+        return _epoch != epoch
+
+
+def wake_waiters() -> None:
+    """Wakes every thread sleeping in :func:`wait_for_epoch_change` so it re-checks its work
+    (used when one group is aborted on its own, without an alarm)."""
+    with _cond:
+        _cond.notify_all()
+
+
+def add_listener(listener: Callable[[str], None]) -> None:
+    """Calls ``listener(reason)`` in the raising thread at every future alarm."""
+    with _cond:
+        if listener not in _listeners:
+            _listeners.append(listener)
+
+
+def remove_listener(listener: Callable[[str], None]) -> None:
+    """Undoes :func:`add_listener` (no error if it was not added)."""
+    with _cond:
+        if listener in _listeners:
+            _listeners.remove(listener)

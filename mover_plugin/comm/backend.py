@@ -1,0 +1,67 @@
+"""Registration of the ``mover`` c10d backend.
+
+After :func:`register_backend`, ``dist.init_process_group("mover", store=..., rank=...,
+world_size=..., timeout=...)`` makes the default group a
+:class:`~mover_plugin.comm.process_group.MoverProcessGroup`, and every later
+``dist.new_group(...)`` without an explicit backend (Megatron-Core's
+``initialize_model_parallel`` creates its groups this way) inherits the default group's backend
+and gets one too.
+
+How c10d uses the creator (torch 2.13, ``_new_process_group_helper``): for a registered plugin
+it calls the creator once per device type of the backend's capability, with the group's prefix
+store; a creator that returns a ``ProcessGroup`` subclass (rather than a ``Backend``) ends that
+loop and its return value *becomes* the group, which c10d names and registers in its world
+maps. With ``extended_api=True`` the creator receives ``_DistributedBackendOptions`` (store,
+group rank and size, timeout, group name, global ranks) and the backend options.
+
+Nothing is registered at import time: callers opt in.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import torch.distributed as dist
+
+from mover_plugin.comm import retired
+from mover_plugin.comm.process_group import BACKEND_NAME, MoverProcessGroup
+
+logger = logging.getLogger(__name__)
+
+_lock = threading.Lock()
+
+
+def is_registered() -> bool:
+    """Whether the ``mover`` backend is registered with c10d in this process."""
+    return BACKEND_NAME.upper() in dist.Backend._plugins
+
+
+def register_backend() -> str:
+    """Registers the ``mover`` backend with c10d (idempotent); returns its name.
+
+    The backend is declared for ``cpu`` and ``cuda``; it never becomes the default backend of a
+    device, it is used only where asked for by name (or inherited by ``new_group``).
+    """
+    with _lock:
+        if not is_registered():
+            dist.Backend.register_backend(BACKEND_NAME, _create_group, extended_api=True,
+                                          devices=["cpu", "cuda"])
+            logger.debug("registered the %s c10d backend", BACKEND_NAME)
+    return BACKEND_NAME
+
+
+def _create_group(options: Any, backend_options: Any = None) -> MoverProcessGroup:
+    """c10d's creator hook: ``options`` is a ``_DistributedBackendOptions``, ``backend_options``
+    the ``pg_options`` given to ``new_group`` (used for NCCL when they are NCCL's)."""
+    retired.reap()  # a new generation is a good moment to release finished old ones
+    return MoverProcessGroup(
+        options.store,
+        options.group_rank,
+        options.group_size,
+        options.timeout,
+        group_name=str(options.group_id),
+        global_ranks=list(options.global_ranks_in_group),
+        nccl_options=backend_options,
+    )

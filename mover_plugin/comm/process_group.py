@@ -1,0 +1,467 @@
+"""The abortable process group behind the ``mover`` c10d backend.
+
+:class:`MoverProcessGroup` is a Python subclass of ``torch.distributed.ProcessGroup`` that
+c10d's ``_new_process_group_helper`` adopts as the group itself (a creator function that
+returns a ``ProcessGroup`` subclass replaces the generic one c10d would have built). c10d then
+registers it in its world maps like any other group, so ``get_rank(group)``,
+``get_global_rank``, p2p by global rank, ``new_group`` and ``destroy_process_group`` all work.
+The Python functions of ``torch.distributed`` call its methods (``allreduce``,
+``all_gather_single``, ``send``, ...) directly; C++ callers reach the ones that
+``torch``'s ``PyProcessGroup`` trampoline forwards.
+
+Each operation is handed to a real backend — ``ProcessGroupGloo`` for CPU tensors, and on a
+machine with CUDA ``ProcessGroupNCCL`` for CUDA tensors — and its work is wrapped in an
+:class:`~mover_plugin.comm.work.AbortableWork`. A group is *aborted* once the process-wide
+alarm has been raised after its creation (or :meth:`MoverProcessGroup.abort` was called): new
+operations raise :class:`~mover_plugin.comm.errors.CollectiveAborted` at once, waits end with
+it, NCCL communicators are aborted, and :meth:`MoverProcessGroup.shutdown` (called by
+``destroy_process_group``) returns at once, handing backends with pending operations to
+:mod:`mover_plugin.comm.retired` instead of joining their threads.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from datetime import timedelta
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed import PrefixStore, Store
+from torch.distributed.distributed_c10d import (
+    AllgatherOptions,
+    AllreduceCoalescedOptions,
+    AllreduceOptions,
+    AllToAllOptions,
+    BarrierOptions,
+    BroadcastOptions,
+    GatherOptions,
+    ReduceOp,
+    ReduceOptions,
+    ReduceScatterOptions,
+    ScatterOptions,
+)
+
+from mover_plugin.comm import alarm, retired
+from mover_plugin.comm.errors import CollectiveAborted, CommAborted
+from mover_plugin.comm.work import AbortableWork, observe
+
+logger = logging.getLogger(__name__)
+
+BACKEND_NAME = "mover"
+
+_live_groups: "weakref.WeakSet[MoverProcessGroup]" = weakref.WeakSet()
+_listener_lock = threading.Lock()
+_listener_added = False
+
+
+def _abort_live_groups(reason: str) -> None:
+    """Alarm listener: aborts the NCCL communicators of the groups the alarm aborted."""
+    for group in list(_live_groups):
+        group._on_alarm(reason)
+
+
+def _ensure_alarm_listener() -> None:
+    global _listener_added
+    with _listener_lock:
+        if not _listener_added:
+            alarm.add_listener(_abort_live_groups)
+            _listener_added = True
+
+
+def _make_nccl(store: Store, rank: int, size: int, timeout: timedelta,
+               global_ranks: Sequence[int], group_name: str, options: Any = None) -> Any:
+    """A ``ProcessGroupNCCL`` configured as c10d configures its own (no split, no eager init);
+    ``options`` are the ``ProcessGroupNCCL.Options`` given to ``new_group``, if any."""
+    if not isinstance(options, dist.ProcessGroupNCCL.Options):
+        options = dist.ProcessGroupNCCL.Options()
+        options.is_high_priority_stream = False
+    options._timeout = timeout
+    options.global_ranks_in_group = list(global_ranks)
+    options.group_name = group_name
+    return dist.ProcessGroupNCCL(store, rank, size, options)
+
+
+class MoverProcessGroup(dist.ProcessGroup):
+    """A process group whose operations can be abandoned; see the module docstring.
+
+    Normally created by c10d through the ``mover`` backend (``init_process_group("mover")``,
+    ``new_group``); it can also be built directly for a group that c10d does not manage.
+
+    Args:
+        store: the store the backends rendezvous in (c10d passes the group's prefix store).
+        rank: this process's rank in the group.
+        size: the number of ranks in the group.
+        timeout: the backends' own operation timeout.
+        group_name: c10d's name of the group (for logs and NCCL's bookkeeping).
+        global_ranks: the global ranks of the group's members, in group-rank order
+            (empty: all ranks, i.e. the default group).
+        use_cuda: build an NCCL backend for CUDA tensors; ``None``: when CUDA and NCCL are
+            available.
+        nccl_options: ``ProcessGroupNCCL.Options`` for the NCCL backend (e.g. the
+            ``pg_options`` Megatron passes to ``new_group``); other values are ignored.
+    """
+
+    def __init__(self, store: Store, rank: int, size: int, timeout: timedelta, *,
+                 group_name: str = "", global_ranks: Sequence[int] = (),
+                 use_cuda: Optional[bool] = None, nccl_options: Any = None) -> None:
+        super().__init__(rank, size)
+        self._label = group_name or "?"
+        self._group_name = group_name
+        self._group_desc = ""
+        self._timeout = timeout
+        self._epoch = alarm.current_epoch()
+        self._abort_reason: Optional[str] = None
+        self._failure: Optional[BaseException] = None
+        self._closed = False
+        self._lock = threading.Lock()
+        self._inflight: list[Any] = []  # observers of backend works, see work.observe
+        ranks = list(global_ranks) or list(range(size))
+        gloo = dist.ProcessGroupGloo(PrefixStore("gloo/", store), rank, size, timeout)
+        gloo.options.global_ranks_in_group = ranks
+        gloo.options.group_name = group_name
+        self._gloo: Optional[Any] = gloo
+        if use_cuda is None:
+            use_cuda = torch.cuda.is_available() and dist.is_nccl_available()
+        self._nccl: Optional[Any] = None
+        if use_cuda:
+            self._nccl = _make_nccl(PrefixStore("nccl/", store), rank, size, timeout, ranks,
+                                    group_name, nccl_options)
+        _ensure_alarm_listener()
+        _live_groups.add(self)
+        logger.debug("group %s: rank %d of %d (global ranks %s), epoch %d, nccl=%s",
+                     self._label, rank, size, ranks, self._epoch, self._nccl is not None)
+
+    # ------------------------------------------------------------------ state
+
+    # c10d's base ProcessGroup keeps its name and description in its registered backends; this
+    # group registers none, so it keeps them itself (the camelCase names are the ones the C++
+    # trampoline forwards, the others the Python bindings').
+
+    def getBackendName(self) -> str:  # noqa: N802
+        return BACKEND_NAME
+
+    def getGroupName(self) -> str:  # noqa: N802
+        return self._group_name
+
+    def setGroupName(self, name: str) -> None:  # noqa: N802
+        self._group_name = name
+
+    def getGroupDesc(self) -> str:  # noqa: N802
+        return self._group_desc
+
+    def setGroupDesc(self, desc: str) -> None:  # noqa: N802
+        self._group_desc = desc
+
+    @property
+    def group_name(self) -> str:  # type: ignore[override]
+        return self._group_name
+
+    @property
+    def group_desc(self) -> str:  # type: ignore[override]
+        return self._group_desc
+
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = name
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    def __repr__(self) -> str:
+        return (f"MoverProcessGroup(name={self._name()!r}, rank={self.rank()}, "
+                f"size={self.size()}, epoch={self._epoch}, aborted={self.aborted})")
+
+    def _name(self) -> str:
+        return self._group_name or self._label
+
+    @property
+    def epoch(self) -> int:
+        """The alarm epoch this group was created in."""
+        return self._epoch
+
+    @property
+    def aborted(self) -> bool:
+        """Whether the group was aborted (by an alarm after its creation, or explicitly)."""
+        return self._abort_reason is not None or alarm.current_epoch() != self._epoch
+
+    def pending_operations(self) -> int:
+        """How many backend operations issued on this group have not completed."""
+        with self._lock:
+            return sum(1 for item in self._inflight if not item.done())
+
+    def check_usable(self, op: str) -> None:
+        """Raises :class:`CollectiveAborted` if ``op`` must not run (or keep waiting) here."""
+        if self._abort_reason is not None:
+            raise CollectiveAborted(f"{op} on group {self._name()!r}: group aborted: "
+                                    f"{self._abort_reason}", reason=self._abort_reason,
+                                    group=self._name())
+        if alarm.current_epoch() != self._epoch:
+            reason = alarm.reason_after(self._epoch) or "alarm"
+            raise CollectiveAborted(f"{op} on group {self._name()!r}: aborted by the alarm: "
+                                    f"{reason}", reason=reason, group=self._name())
+        if self._closed:
+            raise CollectiveAborted(f"{op} on group {self._name()!r}: the group was shut down",
+                                    reason="shut down", group=self._name())
+        if self._failure is not None:
+            raise CollectiveAborted(
+                f"{op} on group {self._name()!r}: an earlier operation failed: "
+                f"{self._failure}", reason=str(self._failure), group=self._name(),
+            ) from self._failure
+
+    def note_failure(self, error: BaseException) -> None:
+        """Latches a backend error: the group's peers are out of step, so later operations
+        are refused."""
+        if isinstance(error, CommAborted) or self._failure is not None:
+            return
+        self._failure = error
+        logger.warning("group %s: operation failed, group unusable from now on: %s",
+                       self._name(), error)
+
+    # ------------------------------------------------------------------ abort and shutdown
+
+    def abort(self, reason: str = "aborted explicitly") -> None:  # type: ignore[override]
+        """Aborts this group alone: like an alarm, but only for this group."""
+        if self._abort_reason is None:
+            self._abort_reason = reason
+            logger.info("group %s aborted: %s", self._name(), reason)
+        self._on_alarm(reason)
+        alarm.wake_waiters()
+
+    def _on_alarm(self, reason: str) -> None:
+        """Aborts the NCCL communicator of an aborted group (gloo has nothing to abort: its
+        waits are left by polling)."""
+        if not self.aborted:
+            return  # created after the alarm: belongs to the next generation
+        nccl = self._nccl
+        if nccl is not None:
+            try:
+                nccl.abort()
+            except Exception:
+                logger.exception("group %s: NCCL abort failed", self._name())
+
+    def shutdown(self) -> None:
+        """Releases the backends without waiting for operations abandoned after an abort.
+
+        Called by ``destroy_process_group``. Never blocks on a peer: backends with pending
+        operations are retired (kept alive until those end), the rest are released.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        _live_groups.discard(self)
+        with self._lock:
+            pending = [item for item in self._inflight if not item.done()]
+            self._inflight = []
+        gloo, nccl = self._gloo, self._nccl
+        self._gloo = self._nccl = None
+        if nccl is not None:
+            try:
+                if pending or self.aborted:
+                    nccl.abort()
+                else:
+                    nccl.shutdown()
+            except Exception:
+                logger.exception("group %s: NCCL shutdown failed", self._name())
+        backends = [b for b in (gloo, nccl) if b is not None]
+        if pending:
+            logger.info("group %s shut down with %d operation(s) pending", self._name(),
+                        len(pending))
+        retired.retire(self._name(), backends, pending)
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        """Sets the backends' default operation timeout."""
+        self._timeout = timeout
+        if self._gloo is not None:
+            self._gloo._set_default_timeout(timeout)
+
+    # ------------------------------------------------------------------ dispatch
+
+    def _backend_for(self, tensor: Optional[torch.Tensor], op: str) -> Any:
+        device = "cpu" if tensor is None else tensor.device.type
+        if device == "cuda":
+            backend = self._nccl
+        elif device == "cpu":
+            backend = self._gloo
+        else:
+            raise ValueError(f"{op}: the mover backend has no communicator for {device} "
+                             "tensors (cpu uses gloo, cuda uses NCCL)")
+        if backend is None:
+            if self._closed:
+                self.check_usable(op)
+            raise ValueError(f"{op}: group {self._name()!r} has no communicator for "
+                             f"{device} tensors (no CUDA/NCCL when it was created)")
+        return backend
+
+    def _issue(self, op: str, tensor: Optional[torch.Tensor],
+               calls: Callable[[Any], Sequence[dist.Work]], *,
+               point_to_point: bool = False) -> AbortableWork:
+        self.check_usable(op)
+        backend = self._backend_for(tensor, op)
+        stream_ordered = backend is self._nccl
+        pending = [observe(work, stream_ordered=stream_ordered, point_to_point=point_to_point)
+                   for work in calls(backend)]
+        with self._lock:
+            # Completed works are dropped here so that their tensors are not kept alive.
+            self._inflight = [item for item in self._inflight if not item.done()]
+            self._inflight.extend(pending)
+        return AbortableWork(self, pending, op, stream_ordered=stream_ordered)
+
+    # ------------------------------------------------------------------ collectives
+
+    def allreduce(self, tensors: Any, opts: Any = None) -> AbortableWork:  # type: ignore[override]
+        if isinstance(tensors, torch.Tensor):
+            tensors = [tensors]
+        opts = _allreduce_options(opts)
+        return self._issue("allreduce", tensors[0], lambda b: [b.allreduce(tensors, opts)])
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor],  # type: ignore[override]
+                            opts: Optional[AllreduceCoalescedOptions] = None) -> AbortableWork:
+        single = AllreduceOptions()
+        single.reduceOp = opts.reduceOp if opts is not None else ReduceOp.SUM
+        if opts is not None:
+            single.timeout = opts.timeout
+        return self._issue("allreduce_coalesced", tensors[0] if tensors else None,
+                           lambda b: [b.allreduce([t], single) for t in tensors])
+
+    def broadcast(self, tensors: Any, opts: Any = None) -> AbortableWork:  # type: ignore[override]
+        if isinstance(tensors, torch.Tensor):
+            tensors = [tensors]
+        if opts is None:
+            opts = BroadcastOptions()
+        elif isinstance(opts, int):
+            root, opts = opts, BroadcastOptions()
+            opts.rootRank = root
+        return self._issue("broadcast", tensors[0], lambda b: [b.broadcast(tensors, opts)])
+
+    def reduce(self, tensors: list[torch.Tensor],  # type: ignore[override]
+               opts: Optional[ReduceOptions] = None) -> AbortableWork:
+        opts = opts or ReduceOptions()
+        return self._issue("reduce", tensors[0], lambda b: [b.reduce(tensors, opts)])
+
+    def allgather(self, output_tensors: list[list[torch.Tensor]],  # type: ignore[override]
+                  input_tensors: list[torch.Tensor],
+                  opts: Optional[AllgatherOptions] = None) -> AbortableWork:
+        opts = opts or AllgatherOptions()
+        return self._issue("allgather", input_tensors[0],
+                           lambda b: [b.allgather(output_tensors, input_tensors, opts)])
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
+                          opts: Optional[AllgatherOptions] = None) -> AbortableWork:
+        opts = opts or AllgatherOptions()
+        return self._issue("all_gather_into_tensor", input,
+                           lambda b: [b._allgather_base(output, input, opts)])
+
+    _allgather_base = all_gather_single
+
+    def allgather_coalesced(self,  # type: ignore[override]
+                            output_lists: list[list[torch.Tensor]],
+                            input_list: list[torch.Tensor],
+                            opts: Optional[AllgatherOptions] = None) -> AbortableWork:
+        opts = opts or AllgatherOptions()
+        return self._issue("allgather_coalesced", input_list[0] if input_list else None,
+                           lambda b: [b.allgather([out], [inp], opts)
+                                      for out, inp in zip(output_lists, input_list)])
+
+    def all_gather_single_coalesced(self, outputs: list[torch.Tensor],
+                                    inputs: list[torch.Tensor],
+                                    opts: Optional[AllgatherOptions] = None) -> AbortableWork:
+        opts = opts or AllgatherOptions()
+        return self._issue("all_gather_into_tensor_coalesced", inputs[0] if inputs else None,
+                           lambda b: [b._allgather_base(out, inp, opts)
+                                      for out, inp in zip(outputs, inputs)])
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def reduce_scatter(self, output_tensors: list[torch.Tensor],  # type: ignore[override]
+                       input_lists: list[list[torch.Tensor]],
+                       opts: Optional[ReduceScatterOptions] = None) -> AbortableWork:
+        opts = opts or ReduceScatterOptions()
+        return self._issue("reduce_scatter", output_tensors[0],
+                           lambda b: [b.reduce_scatter(output_tensors, input_lists, opts)])
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
+                              opts: Optional[ReduceScatterOptions] = None) -> AbortableWork:
+        opts = opts or ReduceScatterOptions()
+        return self._issue("reduce_scatter_tensor", input,
+                           lambda b: [b._reduce_scatter_base(output, input, opts)])
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor],
+                                        inputs: list[torch.Tensor],
+                                        opts: Optional[ReduceScatterOptions] = None,
+                                        ) -> AbortableWork:
+        opts = opts or ReduceScatterOptions()
+        return self._issue("reduce_scatter_tensor_coalesced", inputs[0] if inputs else None,
+                           lambda b: [b._reduce_scatter_base(out, inp, opts)
+                                      for out, inp in zip(outputs, inputs)])
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    def alltoall(self, output_tensors: list[torch.Tensor],  # type: ignore[override]
+                 input_tensors: list[torch.Tensor],
+                 opts: Optional[AllToAllOptions] = None) -> AbortableWork:
+        opts = opts or AllToAllOptions()
+        return self._issue("alltoall", input_tensors[0],
+                           lambda b: [b.alltoall(output_tensors, input_tensors, opts)])
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
+                          output_split_sizes: list[int], input_split_sizes: list[int],
+                          opts: Optional[AllToAllOptions] = None) -> AbortableWork:
+        opts = opts or AllToAllOptions()
+        return self._issue("all_to_all_single", input, lambda b: [b.alltoall_base(
+            output, input, output_split_sizes, input_split_sizes, opts)])
+
+    alltoall_base = all_to_all_single
+
+    def gather(self, output_tensors: list[list[torch.Tensor]],  # type: ignore[override]
+               input_tensors: list[torch.Tensor],
+               opts: Optional[GatherOptions] = None) -> AbortableWork:
+        opts = opts or GatherOptions()
+        return self._issue("gather", input_tensors[0],
+                           lambda b: [b.gather(output_tensors, input_tensors, opts)])
+
+    def scatter(self, output_tensors: list[torch.Tensor],  # type: ignore[override]
+                input_tensors: list[list[torch.Tensor]],
+                opts: Optional[ScatterOptions] = None) -> AbortableWork:
+        opts = opts or ScatterOptions()
+        return self._issue("scatter", output_tensors[0],
+                           lambda b: [b.scatter(output_tensors, input_tensors, opts)])
+
+    def barrier(self,  # type: ignore[override]
+                opts: Optional[BarrierOptions] = None) -> AbortableWork:
+        opts = opts or BarrierOptions()
+        device = getattr(opts, "device", None)
+        probe = None
+        if device is not None and torch.device(device).type == "cuda" and self._nccl is not None:
+            probe = torch.empty(0, device=device)
+        return self._issue("barrier", probe, lambda b: [b.barrier(opts)])
+
+    # ------------------------------------------------------------------ point to point
+
+    def send(self, tensors: list[torch.Tensor], dst_rank: int,  # type: ignore[override]
+             tag: int = 0) -> AbortableWork:
+        return self._issue("send", tensors[0], lambda b: [b.send(tensors, dst_rank, tag)],
+                           point_to_point=True)
+
+    def recv(self, tensors: list[torch.Tensor], src_rank: int,  # type: ignore[override]
+             tag: int = 0) -> AbortableWork:
+        return self._issue("recv", tensors[0], lambda b: [b.recv(tensors, src_rank, tag)],
+                           point_to_point=True)
+
+    def recv_anysource(self, tensors: list[torch.Tensor],  # type: ignore[override]
+                       tag: int = 0) -> AbortableWork:
+        return self._issue("recv_anysource", tensors[0],
+                           lambda b: [b.recv_anysource(tensors, tag)], point_to_point=True)
+
+
+def _allreduce_options(opts: Any) -> AllreduceOptions:
+    if opts is None:
+        return AllreduceOptions()
+    if isinstance(opts, AllreduceOptions):
+        return opts
+    single = AllreduceOptions()
+    single.reduceOp = opts  # a ReduceOp, as in pg.allreduce(tensors, op)
+    return single

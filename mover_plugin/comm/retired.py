@@ -1,0 +1,89 @@
+"""Keeps abandoned communicators alive until their pending operations end.
+
+When a survivor leaves a blocked gloo collective, the operation is still running in one of the
+backend's worker threads (waiting for a peer that may never answer). Destroying that
+``ProcessGroupGloo`` would join its worker threads, i.e. block until the operation fails at the
+group timeout. So a process group of an aborted generation hands its backends here instead of
+dropping them: :func:`retire` keeps a reference, :func:`reap` drops the ones whose operations
+have all ended (their destructors are then quick), and at interpreter exit whatever is still
+pending is deliberately leaked so that process exit never waits for a dead peer.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Retired:
+    name: str
+    backends: list[Any]
+    pending: list[Any]
+    since: float = field(default_factory=time.monotonic)
+
+    def finished(self) -> bool:
+        return all(item.done() for item in self.pending)
+
+
+_lock = threading.Lock()
+_retired: list[_Retired] = []
+_exit_hook_installed = False
+
+
+def retire(name: str, backends: Sequence[Any], pending: Sequence[Any]) -> None:
+    """Takes over ``backends`` (c10d backend objects) of group ``name`` while any of
+    ``pending`` (objects with a ``done()`` method) has not finished. With nothing pending, the
+    backends are simply released by the caller.
+    """
+    global _exit_hook_installed
+    pending = [item for item in pending if not item.done()]
+    if not pending:
+        return
+    logger.info("group %s retired with %d pending operation(s)", name, len(pending))
+    with _lock:
+        _retired.append(_Retired(name, list(backends), pending))
+        if not _exit_hook_installed:
+            atexit.register(_leak_pending_at_exit)
+            _exit_hook_installed = True
+    reap()
+
+
+def reap() -> int:
+    """Releases retired backends whose operations all ended; returns how many are still held."""
+    with _lock:
+        done = [entry for entry in _retired if entry.finished()]
+        for entry in done:
+            _retired.remove(entry)
+        remaining = len(_retired)
+    for entry in done:
+        logger.debug("released group %s after %.1f s", entry.name,
+                     time.monotonic() - entry.since)
+    del done  # the backends' destructors run here, with idle worker threads
+    return remaining
+
+
+def held() -> int:
+    """How many retired groups still have pending operations."""
+    with _lock:
+        return len(_retired)
+
+
+def _leak_pending_at_exit() -> None:
+    """Takes an extra reference to every backend still pending, so that interpreter teardown
+    never runs their destructors (which would wait for the stuck operations)."""
+    reap()
+    with _lock:
+        for entry in _retired:
+            for backend in entry.backends:
+                ctypes.pythonapi.Py_IncRef(ctypes.py_object(backend))
+        if _retired:
+            logger.info("leaving %d retired group(s) with pending operations to process exit",
+                        len(_retired))

@@ -1,0 +1,292 @@
+"""Work handles whose ``wait()`` can be abandoned when the alarm is raised.
+
+c10d returns one of these from every operation of a ``mover`` group, for asynchronous calls
+(``async_op=True``, ``isend``/``irecv``, ``batch_isend_irecv``) and synchronous ones alike: the
+Python functions of ``torch.distributed`` issue the operation and then call ``work.wait()``
+themselves, so a synchronous ``dist.all_reduce(t)`` blocks here, in Python, where the alarm
+can reach it.
+
+How completion is observed depends on the backend's work:
+
+- gloo collectives (its ``AsyncWork``: they have a future) report ``is_completed()`` as soon as
+  their worker thread is done, so ``wait()`` polls it, sleeping between polls on the alarm's
+  condition variable: the sleep grows from 50 µs to 1 ms, and an alarm ends it at once;
+- gloo's send/recv and reduce-scatter works only complete inside their own ``wait()``, so a
+  small pool of daemon threads calls that ``wait()`` for them and wakes the waiter when it
+  returns; an abandoned one keeps its pool thread until the backend gives up (peer gone or the
+  group timeout);
+- NCCL works (CUDA) are not polled: their ``wait()`` only orders the current stream after the
+  collective, as NCCL's own does, and a stuck kernel is ended by aborting the communicator
+  when the alarm is raised.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from mover_plugin.comm import alarm
+
+if TYPE_CHECKING:
+    from mover_plugin.comm.process_group import MoverProcessGroup
+
+_FIRST_POLL_S = 50e-6
+_MAX_POLL_S = 1e-3
+
+
+class _WaiterPool:
+    """Daemon threads that block in backend ``wait()`` calls on behalf of abortable waits.
+
+    A thread is reused once its wait returns; a new one is started whenever none is idle, so
+    a wait that never returns costs one parked thread, never a blocked caller.
+    """
+
+    def __init__(self) -> None:
+        self._jobs: "queue.SimpleQueue[Callable[[], None]]" = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = 0
+        self._threads = 0
+
+    def submit(self, job: Callable[[], None]) -> None:
+        with self._lock:
+            if self._idle > 0:
+                self._idle -= 1
+            else:
+                self._threads += 1
+                threading.Thread(target=self._run, name=f"mover-wait-{self._threads}",
+                                 daemon=True).start()
+        self._jobs.put(job)
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            job()
+            with self._lock:
+                self._idle += 1
+
+    @property
+    def threads(self) -> int:
+        """Threads started so far (idle or busy)."""
+        return self._threads
+
+
+_pool = _WaiterPool()
+
+
+class _Pending:
+    """One backend work, observed through ``done()`` and finished by ``finish()``."""
+
+    def __init__(self, work: dist.Work) -> None:
+        self.work = work
+
+    def done(self) -> bool:
+        return self.work.is_completed()
+
+    def finish(self) -> None:
+        """Called once ``done()``: returns, or raises the backend's error."""
+        self.work.wait()
+
+    def error(self) -> Optional[BaseException]:
+        return self.work.exception() if self.done() else None
+
+
+class _Watched(_Pending):
+    """A backend work whose completion is only visible to its own ``wait()``: a pool thread
+    makes that call and records how it ended."""
+
+    def __init__(self, work: dist.Work) -> None:
+        super().__init__(work)
+        self._done = False
+        self._error: Optional[BaseException] = None
+        _pool.submit(self._wait)
+
+    def _wait(self) -> None:
+        try:
+            self.work.wait()
+        except BaseException as error:  # handed to the thread that waits on this work
+            self._error = error
+        self._done = True
+        alarm.wake_waiters()
+
+    def done(self) -> bool:
+        return self._done
+
+    def finish(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def error(self) -> Optional[BaseException]:
+        return self._error
+
+
+def observe(work: dist.Work, *, stream_ordered: bool, point_to_point: bool = False) -> _Pending:
+    """Wraps a backend work in the observer that suits it (see the module docstring)."""
+    if stream_ordered:
+        return _Pending(work)
+    if point_to_point:
+        return _Watched(work)
+    try:
+        work.get_future()
+    except RuntimeError:  # gloo's SendWork/RecvWork and reduce-scatter: no future, no polling
+        return _Watched(work)
+    return _Pending(work)
+
+
+class AbortableWork(dist.Work):
+    """The work of one operation on a :class:`MoverProcessGroup` (possibly several backend
+    works, e.g. for coalesced operations issued one by one).
+
+    ``wait()`` returns ``True`` once every backend work completed; raises
+    :class:`~mover_plugin.comm.errors.CollectiveAborted` when the group is aborted first; and
+    re-raises the backend's own error (a gloo connection reset, its timeout) when the backend
+    work failed, after which the group refuses further operations.
+    """
+
+    def __init__(self, group: "MoverProcessGroup", pending: Sequence[_Pending], op: str,
+                 *, stream_ordered: bool) -> None:
+        super().__init__()
+        self._group = group
+        self._pending = list(pending)
+        self._op = op
+        self._stream_ordered = stream_ordered
+        self._succeeded = False
+        self._exception: Optional[BaseException] = None
+        self._future: Optional[torch.futures.Future] = None
+        self._future_lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"AbortableWork({self._op} on group {self._group.group_name!r})"
+
+    @property
+    def op(self) -> str:
+        """The name of the operation, e.g. ``"allreduce"``."""
+        return self._op
+
+    def is_completed(self) -> bool:
+        """Whether every backend work has completed (successfully or not)."""
+        return self._exception is not None or all(p.done() for p in self._pending)
+
+    def is_success(self) -> bool:
+        """Whether the operation completed without error."""
+        return self._exception is None and all(
+            p.done() and p.error() is None for p in self._pending)
+
+    def exception(self) -> Optional[BaseException]:
+        """The error that ended the operation, if any."""
+        if self._exception is not None:
+            return self._exception
+        for item in self._pending:
+            error = item.error()
+            if error is not None:
+                return error
+        return None
+
+    def source_rank(self) -> int:
+        """For a receive from any source: the group rank it came from."""
+        return self._pending[0].work.source_rank()
+
+    def result(self) -> list[torch.Tensor]:
+        """The output tensors of the backend works, in order."""
+        tensors: list[torch.Tensor] = []
+        for item in self._pending:
+            tensors.extend(item.work.result())
+        return tensors
+
+    def _values(self) -> list[torch.Tensor]:
+        """The backend futures' values (their output tensors), for :meth:`get_future`."""
+        values: list[torch.Tensor] = []
+        for item in self._pending:
+            try:
+                value = item.work.get_future().value()
+            except RuntimeError:  # no future (p2p): nothing to hand on
+                continue
+            values.extend(value if isinstance(value, list) else [value])
+        return values
+
+    def synchronize(self) -> None:
+        self.wait()
+
+    def block_current_stream(self) -> None:
+        self.wait()
+
+    def wait(self, timeout: Optional[timedelta] = None) -> bool:
+        """Waits for the operation; see the class docstring for what it raises.
+
+        ``timeout`` (``None`` or zero: no limit beyond the backend's own) bounds this wait only;
+        when it passes, ``TimeoutError`` is raised and the operation stays pending.
+        """
+        if self._exception is not None:
+            raise self._exception
+        if self._succeeded:
+            return True
+        deadline = None
+        if timeout is not None and timeout.total_seconds() > 0:
+            deadline = time.monotonic() + timeout.total_seconds()
+        try:
+            if self._stream_ordered:
+                self._group.check_usable(self._op)
+                for item in self._pending:
+                    item.finish()
+            else:
+                self._wait_polling(deadline)
+        except TimeoutError:
+            raise  # only this wait gave up: the operation may still be waited for
+        except BaseException as error:
+            self._exception = error
+            self._group.note_failure(error)
+            raise
+        self._succeeded = True
+        return True
+
+    def _wait_polling(self, deadline: Optional[float]) -> None:
+        delay = _FIRST_POLL_S
+        epoch = self._group.epoch
+        for item in self._pending:
+            while not item.done():
+                self._group.check_usable(self._op)
+                sleep = delay
+                if deadline is not None:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise TimeoutError(f"{self._op} on group {self._group.group_name!r} "
+                                           "did not complete within the wait timeout")
+                    sleep = min(sleep, remaining)
+                alarm.wait_for_epoch_change(epoch, sleep)
+                delay = min(delay * 2, _MAX_POLL_S)
+            item.finish()
+
+    def get_future(self) -> torch.futures.Future:
+        """A future completed with :meth:`result` when the operation completes, or with the
+        error when it fails or is aborted. A pool thread waits for it."""
+        with self._future_lock:
+            if self._future is not None:
+                return self._future
+            future: torch.futures.Future = torch.futures.Future()
+            self._future = future
+
+        def complete() -> None:
+            try:
+                self.wait()
+            except BaseException as error:
+                self._settle(future, error=error)
+            else:
+                self._settle(future, value=self._values())
+
+        _pool.submit(complete)
+        return future
+
+    def _settle(self, future: torch.futures.Future, *, value: Any = None,
+                error: Optional[BaseException] = None) -> None:
+        with self._future_lock:
+            if future.done():
+                return
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(value)

@@ -1,0 +1,324 @@
+"""The resilience runtime of a Megatron-Core training process (``--resilient``).
+
+Under ``mover-launch --policy resilient`` every worker runs its training steps through
+:meth:`MegatronResilience.run_step`. When a rank dies, the survivors leave the failed step (a
+communication error, or the controller's alarm aborting the collective they wait in), build
+the next generation's process groups under its own store namespace, rewrite every cached
+group reference in the model, DDP and optimizer, agree on which side of the optimizer update
+each of them is, and redo the dropped iteration with the same micro-batches and the RNG states
+saved at its start. A standby process, started and warmed up beforehand, takes the lost global
+rank: it builds the model with its collectives kept local, receives parameters, optimizer and
+scheduler state, RNG states and the iteration from a data-parallel twin, and joins the loop.
+
+**The commit rule.** The optimizer update of an iteration is applied only after a WORLD
+all-reduce that every rank enters with complete, reduced and clipped gradients. If any rank
+passed that all-reduce, every rank had reached it, so a survivor that had not yet applied the
+update applies it during the switch; if none passed it, nobody applied anything and the
+iteration is redone. Either way all ranks continue from the same iteration.
+
+Limitations: the optimizer state must be replicated across data-parallel ranks (no
+``--use-distributed-optimizer``); a lost rank needs a live data-parallel twin (otherwise the
+controller falls back to the restart baseline); groups are rebuilt in full at each switch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from mover_plugin.comm import CollectiveAborted, clear_alarm, raise_alarm, register_backend
+from mover_plugin.comm.process_group import BACKEND_NAME
+from mover_plugin.errors import LaunchError
+from mover_plugin.layout import ParallelLayout
+from mover_plugin.megatron.checkpoint import capture_rng_state, restore_rng_state
+from mover_plugin.progress import ProgressReporter
+from mover_plugin.runtime.control import ControlClient
+from mover_plugin.runtime.heartbeat import Heartbeat
+from mover_plugin.runtime.rewire import rewire
+
+logger = logging.getLogger(__name__)
+
+# Substrings of the errors gloo raises when a peer dies or a collective times out.
+_PEER_FAILURE_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Timed out",
+                         "timed out", "Broken pipe", "gloo", "Gloo")
+
+
+def is_peer_failure(error: BaseException) -> bool:
+    """True for errors that mean a peer is gone, as opposed to bugs in the training code."""
+    if isinstance(error, (CollectiveAborted, dist.DistNetworkError, dist.DistBackendError)):
+        return True
+    return isinstance(error, RuntimeError) and any(m in str(error) for m in
+                                                   _PEER_FAILURE_MARKERS)
+
+
+@dataclass
+class _StepState:
+    """Where this rank is in the iteration it runs: the commit record."""
+
+    iteration: int
+    reached_commit: bool = False
+    passed_commit: bool = False
+
+
+class MegatronResilience:
+    """One process's runtime: generation, rank, the commit gate, switch and state transfer."""
+
+    def __init__(self, args: argparse.Namespace, control: ControlClient,
+                 progress: ProgressReporter) -> None:
+        self.args = args
+        self.settings = args.resilience
+        self.control = control
+        self.progress = progress
+        self.generation = control.generation
+        self.rank = int(os.environ.get("RANK", "-1"))
+        self.world_size = int(os.environ["WORLD_SIZE"])
+        self.joiner_of: Optional[dict[str, Any]] = None
+        """For a promoted standby: its replacement record (rank, twin)."""
+        self._applied = 0
+        self._step: Optional[_StepState] = None
+        self._parallel_kwargs: dict[str, Any] = {}
+        self._model: Any = None
+        self._optimizer: Any = None
+        self._scheduler: Any = None
+        self._heartbeat = Heartbeat(progress, self.settings.heartbeat_interval_s,
+                                    self.settings.failure_timeout_s)
+        self._alarm_watch: Optional[threading.Thread] = None
+
+    # -- start-up -------------------------------------------------------------------------
+
+    @classmethod
+    def start(cls, args: argparse.Namespace) -> Optional["MegatronResilience"]:
+        """None without ``--resilient``; a standby blocks here until it is promoted."""
+        if not getattr(args, "resilient", False):
+            return None
+        control = ControlClient.from_env()
+        if control is None:
+            raise LaunchError("--resilient needs the job to run under 'mover-launch'")
+        register_backend()
+        runtime = cls(args, control, ProgressReporter.from_env())
+        runtime._heartbeat.start()
+        if control.standby_id is not None:
+            runtime._wait_for_promotion()
+        return runtime
+
+    def _wait_for_promotion(self) -> None:
+        self.progress.standby_ready()
+        promotion = self.control.wait_for_promotion()
+        self.rank, self.generation = promotion["rank"], promotion["generation"]
+        self.control.generation = self.progress.generation = self.generation
+        plan = self.control.wait_for_plan(self.generation)
+        self.joiner_of = next(r for r in plan["replacements"] if r["rank"] == self.rank)
+        os.environ["RANK"] = str(self.rank)
+        logger.warning("standby %s promoted to rank %d in generation %d",
+                       self.control.standby_id, self.rank, self.generation)
+
+    def initialize_distributed(self, **parallel_kwargs: Any) -> None:
+        """``init_process_group`` and Megatron's ``initialize_model_parallel`` for this
+        generation, with abortable groups."""
+        self._parallel_kwargs = dict(parallel_kwargs)
+        self.progress.generation = self.generation
+        self._init_groups()
+        if self.rank == 0 and self.joiner_of is None:
+            tp = parallel_kwargs["tensor_model_parallel_size"]
+            pp = parallel_kwargs["pipeline_model_parallel_size"]
+            self.control.publish_layout(ParallelLayout.for_world(self.world_size, tp, pp))
+
+    def _init_groups(self) -> None:
+        from megatron.core import parallel_state
+
+        timeout = timedelta(seconds=self.settings.collective_timeout_s)
+        dist.init_process_group(BACKEND_NAME, store=self.control.generation_store(self.generation),
+                                rank=self.rank, world_size=self.world_size, timeout=timeout)
+        parallel_state.initialize_model_parallel(**self._parallel_kwargs)
+        self._alarm_watch = self.control.watch_alarm(self.generation, raise_alarm)
+
+    @contextlib.contextmanager
+    def building(self) -> Iterator[None]:
+        """Around model and optimizer construction: a joiner keeps their collectives local
+        (their results are overwritten by the state it receives from its twin)."""
+        if self.joiner_of is None:
+            yield
+            return
+        from mover_plugin.patches import apply_patches
+
+        with apply_patches("local-collectives"):
+            yield
+
+    def attach(self, model: Any, optimizer: Any, scheduler: Any) -> None:
+        """Registers the training objects and puts the commit gate before every update."""
+        self._model, self._optimizer, self._scheduler = model, optimizer, scheduler
+        update = optimizer.step_with_ready_grads
+
+        def gated_update() -> bool:
+            self._commit()
+            applied = update()
+            self._applied = self._step.iteration + 1 if self._step else self._applied + 1
+            return applied
+
+        optimizer.step_with_ready_grads = gated_update
+        self._apply_update = update
+
+    def first_iteration(self, load: Callable[[], int]) -> int:
+        """The iteration to start from: a joiner's comes from its twin, others ``load()``."""
+        if self.joiner_of is None:
+            self._applied = load()
+            return self._applied
+        started = time.time()
+        target = self._agree_on_iteration()
+        self._receive_state()
+        self.control.post("switched", rank=self.rank, role="joiner", time=time.time(),
+                          build_s=time.time() - started)
+        return target
+
+    def finish(self) -> None:
+        """Training is over: the agent stops watching this process's heartbeats."""
+        self._heartbeat.stop()
+
+    # -- the step -------------------------------------------------------------------------
+
+    def run_step(self, iteration: int, step: Callable[[int], Any]) -> tuple[Any, int]:
+        """Runs ``step(iteration)`` until it completes in some generation.
+
+        Returns the step's result (None when the iteration was completed during a switch)
+        and the number of iterations completed.
+        """
+        snapshot = capture_rng_state()
+        while True:
+            self._step = _StepState(iteration)
+            try:
+                result = step(iteration)
+                self._step = None
+                return result, iteration + 1
+            except Exception as error:  # noqa: BLE001 - filtered just below
+                if not is_peer_failure(error):
+                    raise
+                self._leave_step(error)
+            target = self._switch_generation(snapshot)
+            if target > iteration:
+                self._step = None
+                return None, target
+
+    def _commit(self) -> None:
+        """The WORLD all-reduce every rank enters only with complete gradients."""
+        assert self._step is not None, "the optimizer was stepped outside run_step"
+        self._step.reached_commit = True
+        dist.all_reduce(torch.ones(1))
+        self._step.passed_commit = True
+
+    def _leave_step(self, error: BaseException) -> None:
+        cause = "alarm" if isinstance(error, CollectiveAborted) else "peer error"
+        self.control.post("left_step", rank=self.rank, cause=cause, time=time.time(),
+                          error=str(error)[:200])
+        logger.warning("rank %d left iteration %d of generation %d (%s)", self.rank,
+                       self._step.iteration if self._step else -1, self.generation, cause)
+
+    # -- generation switch (survivors) ----------------------------------------------------
+
+    def _switch_generation(self, snapshot: dict[str, Any]) -> int:
+        from megatron.core import parallel_state
+
+        started = time.time()
+        old_groups = _megatron_groups()
+        self.generation += 1
+        self.control.generation = self.generation
+        plan = self.control.wait_for_plan(self.generation)
+        # The controller sets the old generation's alarm right after the plan; once its watcher
+        # has raised it, clearing the alarm cannot be undone by a late raise.
+        if self._alarm_watch is not None:
+            self._alarm_watch.join(timeout=self.settings.collective_timeout_s)
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+        clear_alarm()
+        self._init_groups()
+        self.progress.generation = self.generation
+        new_groups = _megatron_groups()
+        replaced = rewire([self._model, self._optimizer, self._scheduler],
+                          {id(old_groups[name]): group for name, group in new_groups.items()
+                           if name in old_groups})
+        target = self._agree_on_iteration()
+        self._settle_iteration(target, snapshot)
+        for item in plan["replacements"]:
+            if item["twin"] == self.rank:
+                self._send_state(item["rank"], target)
+        self.control.post("switched", rank=self.rank, role="survivor", time=time.time(),
+                          switch_s=time.time() - started, references=replaced)
+        return target
+
+    def _agree_on_iteration(self) -> int:
+        """All ranks of the new generation learn the iteration everyone will be at."""
+        mine = None
+        if self.joiner_of is None or self._step is not None:
+            step = self._step
+            mine = {"applied": self._applied,
+                    "passed": bool(step and step.passed_commit),
+                    "reached": bool(step and step.reached_commit)}
+        records: list[Any] = [None] * self.world_size
+        dist.all_gather_object(records, mine)
+        return max(r["applied"] + (1 if r["passed"] else 0) for r in records if r is not None)
+
+    def _settle_iteration(self, target: int, snapshot: dict[str, Any]) -> None:
+        """Brings this survivor to ``target`` completed iterations."""
+        step = self._step
+        if self._applied == target - 1 and step is not None and step.reached_commit:
+            self._apply_update()
+            self._scheduler.step(increment=self.args.global_batch_size)
+            self._applied = target
+        elif self._applied == target:
+            restore_rng_state(snapshot)  # the interrupted iteration will be redone
+        else:
+            raise LaunchError(
+                f"rank {self.rank} completed {self._applied} iterations but the job is at "
+                f"{target}; it cannot catch up"
+            )
+
+    # -- state transfer -------------------------------------------------------------------
+
+    def _pair_group(self, twin: int, joiner: int) -> dist.ProcessGroup:
+        return dist.new_group(sorted((twin, joiner)), use_local_synchronization=True)
+
+    def _send_state(self, joiner: int, target: int) -> None:
+        group = self._pair_group(self.rank, joiner)
+        for _, tensor in sorted(self._model.module.state_dict(keep_vars=True).items()):
+            if isinstance(tensor, torch.Tensor):
+                dist.broadcast(tensor.data, src=self.rank, group=group)
+        state = [{"optimizer": self._optimizer.state_dict(),
+                  "scheduler": self._scheduler.state_dict(),
+                  "rng": capture_rng_state(), "iteration": target}]
+        dist.broadcast_object_list(state, src=self.rank, group=group)
+
+    def _receive_state(self) -> None:
+        twin = self.joiner_of["twin"]
+        group = self._pair_group(twin, self.rank)
+        for _, tensor in sorted(self._model.module.state_dict(keep_vars=True).items()):
+            if isinstance(tensor, torch.Tensor):
+                dist.broadcast(tensor.data, src=twin, group=group)
+        state: list[Any] = [None]
+        dist.broadcast_object_list(state, src=twin, group=group)
+        self._optimizer.load_state_dict(state[0]["optimizer"])
+        self._scheduler.load_state_dict(state[0]["scheduler"])
+        restore_rng_state(state[0]["rng"])
+        self._applied = state[0]["iteration"]
+
+
+def _megatron_groups() -> dict[str, Any]:
+    """Every process group ``parallel_state`` holds, by name, plus the default group."""
+    from megatron.core import parallel_state
+
+    groups: dict[str, Any] = {"WORLD": dist.distributed_c10d._get_default_group()}
+    for name, value in vars(parallel_state).items():
+        if isinstance(value, dist.ProcessGroup):
+            groups[name] = value
+        elif isinstance(value, list) and value and all(isinstance(v, dist.ProcessGroup)
+                                                       for v in value):
+            groups.update({f"{name}[{i}]": v for i, v in enumerate(value)})
+    return groups

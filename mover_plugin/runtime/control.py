@@ -1,0 +1,110 @@
+"""A worker's (or standby's) client of the controller: generations, plans, alarms, events.
+
+The launcher gives every process it starts the controller's address (``MOVER_CONTROL_ADDR``,
+``MOVER_CONTROL_PORT``), the current generation (``MOVER_GENERATION``) and, for a standby, its
+id (``MOVER_STANDBY_ID``). Blocking waits use their own store connection, because a TCPStore
+client serialises its calls: a thread waiting on one would block every other call on it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from datetime import timedelta
+from typing import Any, Callable, Optional
+
+import torch.distributed as dist
+
+from mover_plugin.errors import LaunchError
+from mover_plugin.launch.mailbox import Mailbox
+from mover_plugin.launch.protocol import (
+    LAYOUT_KEY,
+    alarm_key,
+    generation_prefix,
+    plan_key,
+    promotion_key,
+)
+from mover_plugin.layout import ParallelLayout
+
+logger = logging.getLogger(__name__)
+
+_WAIT_CHUNK = timedelta(seconds=3600)
+
+
+class ControlClient:
+    def __init__(self, addr: str, port: int, timeout_s: float = 300.0) -> None:
+        self._addr, self._port, self._timeout_s = addr, port, timeout_s
+        self.store = self._connect()
+        self._events = Mailbox(self.store, "events")
+        self.attempt = int(os.environ.get("MOVER_ATTEMPT", "0"))
+        self.generation = int(os.environ.get("MOVER_GENERATION", "0"))
+        self.standby_id = os.environ.get("MOVER_STANDBY_ID")
+
+    @classmethod
+    def from_env(cls) -> Optional["ControlClient"]:
+        """The client for a process started by ``mover-launch``; None for any other process."""
+        addr, port = os.environ.get("MOVER_CONTROL_ADDR"), os.environ.get("MOVER_CONTROL_PORT")
+        return cls(addr, int(port)) if addr and port else None
+
+    def _connect(self) -> dist.TCPStore:
+        return dist.TCPStore(self._addr, self._port, is_master=False, wait_for_workers=False,
+                             timeout=timedelta(seconds=self._timeout_s))
+
+    def generation_store(self, generation: int) -> dist.Store:
+        """The namespace generation ``generation``'s process groups rendezvous in."""
+        return dist.PrefixStore(generation_prefix(generation), self.store)
+
+    def publish_layout(self, layout: ParallelLayout) -> None:
+        self.store.set(LAYOUT_KEY, json.dumps({"tp": layout.tp, "pp": layout.pp,
+                                               "dp": layout.dp}))
+
+    def post(self, kind: str, **fields: Any) -> None:
+        """Posts an event to the controller (a few per interruption, never per step)."""
+        fields.setdefault("time", time.time())
+        fields.setdefault("generation", self.generation)
+        self._events.post({"kind": kind, "attempt": self.attempt, **fields})
+
+    def wait_for_plan(self, generation: int) -> dict[str, Any]:
+        """Blocks until the controller has planned ``generation``; returns the plan."""
+        return json.loads(self._wait_and_get(plan_key(generation)))
+
+    def wait_for_promotion(self) -> dict[str, Any]:
+        """A standby blocks here until promoted; returns ``{"rank", "generation"}``."""
+        if self.standby_id is None:
+            raise LaunchError("this process is not a standby (MOVER_STANDBY_ID is not set)")
+        return json.loads(self._wait_and_get(promotion_key(self.standby_id)))
+
+    def _wait_and_get(self, key: str) -> bytes:
+        while True:
+            try:
+                self.store.wait([key], _WAIT_CHUNK)
+                return self.store.get(key)
+            except dist.DistStoreError as error:  # the chunk timed out; wait again
+                if "timeout" not in str(error).lower():
+                    raise
+
+    def watch_alarm(self, generation: int, on_alarm: Callable[[str], None]) -> threading.Thread:
+        """Calls ``on_alarm(reason)`` from a thread when generation ``generation`` ends."""
+        store = self._connect()  # this thread's own connection
+
+        def watch() -> None:
+            key = alarm_key(generation)
+            while True:
+                try:
+                    store.wait([key], _WAIT_CHUNK)
+                except dist.DistStoreError as error:
+                    if "timeout" in str(error).lower():
+                        continue
+                    return  # the controller is gone: the job is ending
+                except Exception:  # noqa: BLE001 - a dying store connection, same meaning
+                    return
+                on_alarm(json.loads(store.get(key))["reason"])
+                return
+
+        thread = threading.Thread(target=watch, name=f"mover-alarm-gen{generation}",
+                                  daemon=True)
+        thread.start()
+        return thread

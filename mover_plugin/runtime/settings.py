@@ -1,0 +1,81 @@
+"""Resilience settings: defaults, command-line flags and checks, in one place.
+
+Megatron-LM-style scripts add the flags with :func:`add_resilience_args`, which has the shape
+of Megatron-LM's ``extra_args_provider`` (it takes and returns the parser); the DeepSpeed
+config block is read into the same :class:`ResilienceSettings`. Either way
+:meth:`ResilienceSettings.validate` checks the values before anything starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
+
+from mover_plugin.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ResilienceSettings:
+    enabled: bool = False
+    """Run the training loop under the resilience runtime (``--resilient``)."""
+    heartbeat_interval_s: float = 0.5
+    """How often a worker tells its agent it is alive."""
+    failure_timeout_s: float = 5.0
+    """A worker silent for this long is declared hung, killed and replaced."""
+    collective_timeout_s: float = 60.0
+    """The communicators' own timeout: the last resort when no alarm arrives."""
+
+    def validate(self) -> "ResilienceSettings":
+        for item in fields(self):
+            value = getattr(self, item.name)
+            if item.name != "enabled" and not value > 0:
+                raise ConfigError(f"{_flag(item.name)} {value} must be a positive number of seconds")
+        if self.heartbeat_interval_s >= self.failure_timeout_s:
+            raise ConfigError(
+                f"{_flag('heartbeat_interval_s')} {self.heartbeat_interval_s} must be below "
+                f"{_flag('failure_timeout_s')} {self.failure_timeout_s}, or a live worker "
+                "would be declared hung between two heartbeats"
+            )
+        if self.failure_timeout_s >= self.collective_timeout_s:
+            raise ConfigError(
+                f"{_flag('failure_timeout_s')} {self.failure_timeout_s} must be below "
+                f"{_flag('collective_timeout_s')} {self.collective_timeout_s}, or survivors "
+                "would give up on a collective before a hung peer is replaced"
+            )
+        return self
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "ResilienceSettings":
+        return cls(**{f.name: getattr(args, _dest(f.name)) for f in fields(cls)}).validate()
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any], where: str) -> "ResilienceSettings":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(f"{where}: unknown key(s) {unknown}; valid: {sorted(known)}")
+        return cls(**values).validate()
+
+
+def add_resilience_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Adds ``--resilient`` and its timeouts; usable as Megatron-LM's ``extra_args_provider``."""
+    defaults = ResilienceSettings()
+    group = parser.add_argument_group("resilience (mover_plugin)")
+    group.add_argument("--resilient", dest=_dest("enabled"), action="store_true",
+                       help="Survive rank failures in-process (with mover-launch --policy "
+                       "resilient): a standby takes the lost rank's place.")
+    for item in fields(ResilienceSettings):
+        if item.name == "enabled":
+            continue
+        group.add_argument(_flag(item.name), dest=_dest(item.name), type=float,
+                           default=getattr(defaults, item.name), metavar="SECONDS")
+    return parser
+
+
+def _dest(name: str) -> str:
+    return "resilient" if name == "enabled" else f"resilient_{name}"
+
+
+def _flag(name: str) -> str:
+    return "--" + _dest(name).replace("_", "-")

@@ -1,0 +1,65 @@
+"""``local-collectives``: collectives that touch no peer, for a joiner building its model.
+
+A standby that takes a lost rank's place builds the model, DDP and optimizer exactly as a
+rank does at start-up. That construction runs a few collectives the running ranks will not
+match: Megatron-Core's ``GPTModel`` all-reduces the tied embedding over the embedding group
+(first and last pipeline stage) and ``get_megatron_optimizer`` all-gathers over WORLD. Their
+results are overwritten by the state the joiner then receives from its twin, so during the
+build this patch makes them local: ``all_reduce``, ``broadcast`` and ``barrier`` leave their
+inputs as they are, ``all_gather_object`` fills every slot with this rank's object and
+``all_gather``/``all_gather_into_tensor`` with this rank's tensor. Use it only around the
+joiner's build, as a ``with`` block.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mover_plugin.patches.registry import AttributeSwap, Patch, Undo, register_patch
+
+GROUP = "local-collectives"
+
+
+def _no_op(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _gather_object_locally(object_list: list[Any], obj: Any, group: Any = None) -> None:
+    for index in range(len(object_list)):
+        object_list[index] = obj
+
+
+def _gather_locally(tensor_list: list[torch.Tensor], tensor: torch.Tensor, *args: Any,
+                    **kwargs: Any) -> None:
+    for item in tensor_list:
+        item.copy_(tensor)
+
+
+def _gather_into_tensor_locally(output: torch.Tensor, tensor: torch.Tensor, *args: Any,
+                                **kwargs: Any) -> None:
+    output.copy_(tensor.repeat(output.numel() // tensor.numel()).view_as(output))
+
+
+def _apply() -> Undo:
+    swap = AttributeSwap()
+    for name in ("all_reduce", "broadcast", "barrier"):
+        swap.set_attr(dist, name, _no_op)
+    swap.set_attr(dist, "all_gather_object", _gather_object_locally)
+    swap.set_attr(dist, "all_gather", _gather_locally)
+    swap.set_attr(dist, "all_gather_into_tensor", _gather_into_tensor_locally)
+    return swap.restore
+
+
+register_patch(
+    Patch(
+        name="local-collectives-build",
+        distribution="torch",
+        tested_versions=">=2.4,<2.15",
+        description="collectives of torch.distributed act locally (a joiner's model build)",
+        apply=_apply,
+        groups=(GROUP,),
+    )
+)

@@ -1,0 +1,22 @@
+"""Shared fixtures: failure-free reference runs of the example, computed once per session."""
+
+import pytest
+
+from gpt_jobs import pretrain
+
+
+@pytest.fixture(scope="session")
+def reference_pp2():
+    """TP1 x PP2 x DP2, 10 steps, no interruption."""
+    result = pretrain("--pipeline-model-parallel-size", "2", "--train-iters", "10")
+    assert result.returncode == 0, result.output[-4000:]
+    return result
+
+
+@pytest.fixture(scope="session")
+def reference_tp2_pp2():
+    """TP2 x PP2 x DP1, 6 steps, no interruption."""
+    result = pretrain("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                      "--train-iters", "6")
+    assert result.returncode == 0, result.output[-4000:]
+    return result

@@ -1,0 +1,655 @@
+"""Tests of the abortable communication layer (``mover_plugin.comm``) over real gloo.
+
+Pure tests drive the alarm; one in-process test runs a world of one rank; the rest run ranks as
+processes forked from a forkserver with torch (and Megatron-Core's ``parallel_state``, when
+installed) preloaded, around a TCPStore on a port the OS picks, with results and tracebacks
+through a queue and every child killed in ``finally``. Timeouts are layered: gloo's group
+timeout (15 s) < the per-test harness limit (45 s) < the test runner's.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import multiprocessing
+import multiprocessing.forkserver
+import os
+import threading
+import queue
+import signal
+import time
+import traceback
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Callable, Iterator, Optional
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mover_plugin.comm import (
+    CollectiveAborted,
+    CommAborted,
+    MoverProcessGroup,
+    alarm,
+    clear_alarm,
+    is_raised,
+    raise_alarm,
+    register_backend,
+    retired,
+)
+from mover_plugin.errors import MoverError
+from mover_plugin.processes import parent_death_signal
+from mover_plugin.runtime.control import ControlClient
+
+GROUP_TIMEOUT = timedelta(seconds=15)
+HARNESS_TIMEOUT_S = 45.0
+
+_CONTEXT = multiprocessing.get_context("forkserver")
+_CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "megatron.core.parallel_state"])
+
+
+# --------------------------------------------------------------------------- process harness
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_forkserver_after_module() -> Iterator[None]:
+    """The forkserver is a child of the test process: stop it so no child outlives the module
+    (other tests check that they leave no children behind)."""
+    yield
+    stop = getattr(multiprocessing.forkserver._forkserver, "_stop", None)
+    if stop is not None:
+        stop()
+
+
+def _child_main(fn: Callable[..., Any], rank: int, port: int, args: tuple, results: Any) -> None:
+    parent_death_signal(signal.SIGKILL)()
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    try:
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=GROUP_TIMEOUT)
+        value = fn(rank, store, port, *args)
+        results.put((rank, True, value))
+    except BaseException:  # report everything, SystemExit included, to the parent
+        results.put((rank, False, traceback.format_exc()))
+
+
+class _Job:
+    """Ranks as processes around one master TCPStore; see :func:`_job`."""
+
+    def __init__(self) -> None:
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                   timeout=GROUP_TIMEOUT)
+        self.results: Any = _CONTEXT.Queue()
+        self.processes: dict[int, Any] = {}
+        self.deadline = time.monotonic() + HARNESS_TIMEOUT_S
+
+    def start(self, rank: int, fn: Callable[..., Any], *args: Any) -> None:
+        """Starts ``fn(rank, store_client, port, *args)`` in a new process; ``rank`` keys the
+        result (a replacement uses a key of its own, e.g. 100 + its rank)."""
+        process = _CONTEXT.Process(target=_child_main,
+                                   args=(fn, rank, self.store.port, args, self.results),
+                                   daemon=True)
+        process.start()
+        self.processes[rank] = process
+
+    def signal(self, rank: int, sig: int) -> None:
+        os.kill(self.processes[rank].pid, sig)
+
+    def wait_keys(self, keys: list[str]) -> None:
+        remaining = max(0.1, self.deadline - time.monotonic())
+        self.store.wait(keys, timedelta(seconds=remaining))
+
+    def collect(self, ranks: list[int]) -> dict[int, Any]:
+        """The results of ``ranks``; fails with every failed rank's traceback."""
+        outcomes: dict[int, tuple[bool, Any]] = {}
+        while len(outcomes) < len(ranks) and time.monotonic() < self.deadline:
+            try:
+                rank, ok, value = self.results.get(timeout=0.1)
+            except queue.Empty:
+                if any(not self.processes[r].is_alive() for r in ranks if r not in outcomes):
+                    time.sleep(0.5)  # a result may still be in the pipe
+                    while True:
+                        try:
+                            rank, ok, value = self.results.get_nowait()
+                        except queue.Empty:
+                            break
+                        outcomes[rank] = (ok, value)
+                    if any(not self.processes[r].is_alive()
+                           for r in ranks if r not in outcomes):
+                        break
+                continue
+            outcomes[rank] = (ok, value)
+        failures = []
+        for rank in ranks:
+            ok, value = outcomes.get(rank, (False, None))
+            if not ok:
+                process = self.processes[rank]
+                state = "still running" if process.is_alive() else f"exit {process.exitcode}"
+                failures.append(f"--- rank {rank} ---\n{value or f'no result ({state})'}")
+        if failures:
+            pytest.fail("\n".join(failures), pytrace=False)
+        return {rank: outcomes[rank][1] for rank in ranks}
+
+    def exits_within(self, ranks: list[int], seconds: float) -> dict[int, Optional[int]]:
+        """Joins ``ranks`` for up to ``seconds`` in all; returns their exit codes."""
+        end = time.monotonic() + seconds
+        for rank in ranks:
+            self.processes[rank].join(max(0.0, end - time.monotonic()))
+        return {rank: self.processes[rank].exitcode for rank in ranks}
+
+    def close(self) -> None:
+        for process in self.processes.values():
+            if process.is_alive():
+                try:
+                    os.kill(process.pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+                process.kill()
+        for process in self.processes.values():
+            process.join(timeout=10)
+        self.results.close()
+
+
+@contextmanager
+def _job() -> Iterator[_Job]:
+    job = _Job()
+    try:
+        yield job
+    finally:
+        job.close()
+
+
+def _init(store: dist.Store, prefix: str, rank: int, world_size: int) -> None:
+    register_backend()
+    dist.init_process_group("mover", store=dist.PrefixStore(prefix, store), rank=rank,
+                            world_size=world_size, timeout=GROUP_TIMEOUT)
+
+
+def _watch_generation_0(port: int) -> None:
+    """Raises the alarm when generation 0's alarm key is set, as a rank's runtime does."""
+    ControlClient("127.0.0.1", port).watch_alarm(0, raise_alarm)
+
+
+# --------------------------------------------------------------------------- pure tests
+
+
+@pytest.fixture
+def clean_alarm() -> Iterator[None]:
+    clear_alarm()
+    yield
+    clear_alarm()
+
+
+def test_alarm_counts_epochs_and_re_arms_only_when_cleared(clean_alarm: None) -> None:
+    heard: list[str] = []
+    listener = heard.append
+    alarm.add_listener(listener)
+    try:
+        start = alarm.current_epoch()
+        assert not is_raised() and alarm.reason() is None
+        assert raise_alarm("rank 3 died") == start + 1
+        assert is_raised() and alarm.reason() == "rank 3 died"
+        assert alarm.raised_at() is not None and alarm.wait_for_alarm(0)
+        # A second detector reporting the same incident changes nothing.
+        assert raise_alarm("rank 3 heartbeat lapsed") == start + 1
+        assert heard == ["rank 3 died"]
+        assert alarm.reason_after(start) == "rank 3 died"
+        clear_alarm()
+        assert not is_raised() and not alarm.wait_for_alarm(0.01)
+        assert raise_alarm("rank 1 died") == start + 2
+        assert heard == ["rank 3 died", "rank 1 died"]
+    finally:
+        alarm.remove_listener(listener)
+
+
+def test_waiters_wake_at_once_when_the_alarm_is_raised(clean_alarm: None) -> None:
+    epoch = alarm.current_epoch()
+    assert not alarm.wait_for_epoch_change(epoch, 0.01)
+    woke: list[float] = []
+
+    def waiter() -> None:
+        alarm.wait_for_epoch_change(epoch, 10.0)
+        woke.append(time.monotonic())
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    time.sleep(0.05)
+    raise_alarm("test")
+    raised = alarm.raised_at()
+    thread.join(5)
+    assert woke and raised is not None and woke[0] - raised < 0.05
+
+
+def test_errors_derive_from_the_project_error() -> None:
+    assert issubclass(CollectiveAborted, CommAborted) and issubclass(CommAborted, MoverError)
+    error = CollectiveAborted("x", reason="why", group="3")
+    assert (error.reason, error.group) == ("why", "3")
+
+
+def test_the_alarm_is_raised_once_the_controller_sets_the_key(clean_alarm: None) -> None:
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    _watch_generation_0(master.port)
+    time.sleep(0.05)
+    assert not is_raised()
+    master.set("gen0/alarm", json.dumps({"reason": "rank 2 lost"}))
+    assert alarm.wait_for_alarm(5.0)
+    assert alarm.reason() == "rank 2 lost" and alarm.raised_at() is not None
+
+
+# --------------------------------------------------------------------------- one rank, in process
+
+
+def test_a_world_of_one_in_process_aborts_and_rebuilds(clean_alarm: None) -> None:
+    assert register_backend() == register_backend() == "mover"
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    _init(store, "gen0", 0, 1)
+    try:
+        world = dist.group.WORLD
+        assert isinstance(world, MoverProcessGroup) and dist.get_backend() == "mover"
+        tensor = torch.ones(3)
+        dist.all_reduce(tensor)
+        work = dist.all_reduce(tensor, async_op=True)
+        assert work.wait() and work.is_completed() and torch.equal(tensor, torch.ones(3))
+        assert dist.all_reduce(tensor, async_op=True).get_future().wait()[0].sum() == 3
+        sub = dist.new_group([0])
+        assert isinstance(sub, MoverProcessGroup) and dist.get_process_group_ranks(sub) == [0]
+        with pytest.raises(ValueError, match="no communicator for meta tensors"):
+            dist.all_reduce(torch.empty(1, device="meta"), group=sub)
+        raise_alarm("test alarm")
+        with pytest.raises(CollectiveAborted, match="test alarm"):
+            dist.all_reduce(tensor)
+        with pytest.raises(CollectiveAborted):
+            dist.barrier(group=sub)
+        started = time.monotonic()
+        dist.destroy_process_group()
+        assert time.monotonic() - started < 1.0
+        clear_alarm()
+        _init(store, "gen1", 0, 1)
+        dist.all_reduce(tensor)
+        assert torch.equal(tensor, torch.ones(3))
+        # An explicit abort of one group leaves the others alone.
+        sub = dist.new_group([0])
+        sub.abort("maintenance")
+        with pytest.raises(CollectiveAborted, match="maintenance"):
+            dist.all_reduce(tensor, group=sub)
+        dist.all_reduce(tensor)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------- ranks as processes
+
+
+def _registration_is_opt_in(rank: int, store: dist.Store, port: int) -> dict:
+    import mover_plugin.comm as comm
+
+    before = comm.is_registered()
+    name = comm.register_backend()
+    return {"before": before, "after": comm.is_registered(), "name": name,
+            "again": comm.register_backend()}
+
+
+def _collectives(rank: int, store: dist.Store, port: int) -> dict:
+    world_size = 4
+    _init(store, "gen0", rank, world_size)
+    checks: dict[str, Any] = {}
+    world = dist.group.WORLD
+    checks["world_type"] = type(world).__name__
+
+    for op, expected in ((dist.ReduceOp.SUM, 10.0), (dist.ReduceOp.MAX, 4.0),
+                         (dist.ReduceOp.MIN, 1.0)):
+        tensor = torch.full((3,), float(rank + 1))
+        dist.all_reduce(tensor, op=op)
+        checks[f"all_reduce_{op}"] = tensor.tolist() == [expected] * 3
+    tensor = torch.full((2,), float(rank))
+    dist.broadcast(tensor, src=2)
+    checks["broadcast"] = tensor.tolist() == [2.0, 2.0]
+    gathered = [torch.empty(2) for _ in range(world_size)]
+    dist.all_gather(gathered, torch.full((2,), float(rank)))
+    checks["all_gather"] = [t[0].item() for t in gathered] == [0.0, 1.0, 2.0, 3.0]
+    out = torch.empty(world_size * 2)
+    dist.all_gather_into_tensor(out, torch.full((2,), float(rank)))
+    checks["all_gather_into_tensor"] = out.tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
+    shard = torch.empty(2)
+    dist.reduce_scatter_tensor(shard, torch.arange(8, dtype=torch.float32) * (rank + 1))
+    checks["reduce_scatter_tensor"] = shard.tolist() == [20.0 * rank, 20.0 * rank + 10]
+    dist.barrier()
+    objects: list[Any] = [None] * world_size
+    dist.all_gather_object(objects, {"rank": rank})
+    checks["all_gather_object"] = objects == [{"rank": r} for r in range(world_size)]
+    listed: list[Any] = [f"from {rank}", None]
+    dist.broadcast_object_list(listed, src=1)
+    checks["broadcast_object_list"] = listed == ["from 1", None]
+    work = dist.all_reduce(torch.ones(1), async_op=True)
+    checks["async_work_type"] = type(work).__name__
+    work.wait()
+
+    # Megatron-style subgroups: every rank creates every group, no backend named.
+    pp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    pp = pp_groups[rank // 2]
+    dp = dp_groups[rank % 2]
+    checks["sub_types"] = {type(pp).__name__, type(dp).__name__}
+    checks["ranks"] = (dist.get_rank(pp), dist.get_world_size(pp), dist.get_global_rank(dp, 1),
+                       dist.get_process_group_ranks(dp), dist.get_rank(dp))
+    tensor = torch.full((2,), float(rank))
+    dist.all_reduce(tensor, group=dp)
+    checks["dp_all_reduce"] = tensor.tolist() == [2.0 * (rank % 2) + 2.0] * 2
+    out = torch.empty(4)
+    dist.all_gather_into_tensor(out, torch.full((2,), float(rank)), group=dp)
+    checks["dp_all_gather_into_tensor"] = out.tolist() == [rank % 2] * 2 + [rank % 2 + 2] * 2
+    shard = torch.empty(1)
+    dist.reduce_scatter_tensor(shard, torch.tensor([1.0, 2.0]), group=dp)
+    checks["dp_reduce_scatter"] = shard.tolist() == [2.0 * (dist.get_rank(dp) + 1)]
+    tensor = torch.full((1,), float(rank))
+    dist.broadcast(tensor, src=(rank // 2) * 2 + 1, group=pp)  # src is a global rank
+    checks["pp_broadcast"] = tensor.item() == float((rank // 2) * 2 + 1)
+
+    # Point to point by global rank on the pipeline groups: 0 <-> 1, 2 <-> 3.
+    first = rank % 2 == 0
+    peer = rank + 1 if first else rank - 1
+    tensor = torch.full((2,), float(rank))
+    if first:
+        dist.send(tensor, dst=peer, group=pp)
+    else:
+        dist.recv(tensor, src=peer, group=pp)
+    checks["send_recv"] = tensor.tolist() == [float(rank - (0 if first else 1))] * 2
+    outgoing = torch.full((2,), 10.0 + rank)
+    incoming = torch.empty(2)
+    works = [dist.isend(outgoing, dst=peer, group=pp), dist.irecv(incoming, src=peer, group=pp)]
+    for work in works:
+        work.wait()
+    checks["isend_irecv"] = incoming.tolist() == [10.0 + peer] * 2
+    incoming = torch.empty(3)
+    ops = [dist.P2POp(dist.isend, torch.full((3,), 20.0 + rank), peer, group=pp),
+           dist.P2POp(dist.irecv, incoming, peer, group=pp)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    checks["batch_isend_irecv"] = incoming.tolist() == [20.0 + peer] * 3
+
+    # The coalescing manager, as Megatron's DDP uses it for bucketed grad reduction.
+    buckets = [torch.full((2,), float(rank)), torch.full((3,), 1.0)]
+    with dist._coalescing_manager(dp, async_ops=True) as manager:
+        for bucket in buckets:
+            dist.all_reduce(bucket, group=dp, async_op=True)
+    manager.wait()
+    checks["coalesced_all_reduce"] = (buckets[0].tolist() == [2.0 * (rank % 2) + 2.0] * 2
+                                      and buckets[1].tolist() == [2.0] * 3)
+    shards = [torch.empty(1), torch.empty(2)]
+    with dist._coalescing_manager(dp, async_ops=True) as manager:
+        dist.reduce_scatter_tensor(shards[0], torch.tensor([1.0, 2.0]), group=dp, async_op=True)
+        dist.reduce_scatter_tensor(shards[1], torch.ones(4), group=dp, async_op=True)
+    manager.wait()
+    checks["coalesced_reduce_scatter"] = (shards[0].tolist() == [2.0 * (dist.get_rank(dp) + 1)]
+                                          and shards[1].tolist() == [2.0, 2.0])
+    full = torch.empty(4)
+    with dist._coalescing_manager(dp, async_ops=False):
+        dist.all_gather_into_tensor(full, torch.full((2,), float(rank)), group=dp)
+    checks["coalesced_all_gather"] = full.tolist() == [rank % 2] * 2 + [rank % 2 + 2] * 2
+
+    # A group that only its members create.
+    if rank in (0, 1):
+        local = dist.new_group([0, 1], use_local_synchronization=True)
+        tensor = torch.ones(1)
+        dist.all_reduce(tensor, group=local)
+        checks["local_sync_group"] = (type(local).__name__, tensor.item())
+    dist.barrier()
+    started = time.monotonic()
+    dist.destroy_process_group()
+    checks["destroy_s"] = time.monotonic() - started
+    return checks
+
+
+def test_registration_is_idempotent_and_not_done_at_import() -> None:
+    with _job() as job:
+        job.start(0, _registration_is_opt_in)
+        result = job.collect([0])[0]
+    assert result == {"before": False, "after": True, "name": "mover", "again": "mover"}
+
+
+def test_collectives_and_p2p_on_default_and_sub_groups() -> None:
+    with _job() as job:
+        for rank in range(4):
+            job.start(rank, _collectives)
+        results = job.collect(list(range(4)))
+    for rank, checks in results.items():
+        failed = [name for name, ok in checks.items() if ok is False]
+        assert not failed, f"rank {rank}: {failed}"
+        assert checks["world_type"] == "MoverProcessGroup"
+        assert checks["async_work_type"] == "AbortableWork"
+        assert checks["sub_types"] == {"MoverProcessGroup"}
+        assert checks["ranks"] == (rank % 2, 2, [2, 3][rank % 2], [[0, 2], [1, 3]][rank % 2],
+                                   rank // 2)
+        if rank in (0, 1):
+            assert checks["local_sync_group"] == ("MoverProcessGroup", 2.0)
+        assert checks["destroy_s"] < 1.0
+
+
+def _survivor_or_hung(rank: int, store: dist.Store, port: int, hung_rank: int) -> dict:
+    """Generation 0 with a rank that hangs, then generation 1 with its replacement."""
+    world_size = 4
+    _init(store, "gen0", rank, world_size)
+    tensor = torch.ones(1)
+    dist.all_reduce(tensor)  # every link of generation 0 is up
+    if rank == hung_rank:
+        store.set("hung/ready", "1")
+        time.sleep(3600)  # the parent SIGSTOPs this process; it never takes part again
+    _watch_generation_0(port)
+    store.wait(["hung/stopped"])
+    report: dict[str, Any] = {}
+    early = None
+    if rank != 2:
+        # An asynchronous all_reduce, issued first and waited for only after the alarm.
+        early = dist.all_reduce(torch.ones(1), async_op=True)
+        try:
+            early.wait(timedelta(milliseconds=50))
+            report["bounded_wait"] = "completed?!"
+        except TimeoutError:
+            report["bounded_wait"] = "TimeoutError"
+    store.set(f"blocked/{rank}", "1")
+    try:
+        if rank == 2:
+            dist.recv(torch.empty(1), src=hung_rank)  # a p2p wait on the hung rank
+        else:
+            dist.all_reduce(tensor)  # waits for the hung rank (and rank 2)
+        report["left_by"] = "completed?!"
+    except CollectiveAborted as error:
+        report["left_by"] = type(error).__name__
+    left = time.monotonic()
+    if early is not None:
+        try:
+            early.wait()
+            report["later_wait"] = "completed?!"
+        except CollectiveAborted:
+            report["later_wait"] = "CollectiveAborted"
+    report["alarm_to_out_s"] = left - (alarm.raised_at() or float("nan"))
+    report["left_at"] = left
+    # Any new operation on a group of the aborted generation is refused at once.
+    started = time.monotonic()
+    try:
+        dist.barrier()
+        report["refused"] = False
+    except CollectiveAborted:
+        report["refused"] = time.monotonic() - started < 0.1
+
+    # Generation 1: drop generation 0 (its all_reduce is still pending in gloo), re-arm the
+    # alarm and rendezvous under a new prefix with the replacement.
+    started = time.monotonic()
+    dist.destroy_process_group()
+    report["destroy_s"] = time.monotonic() - started
+    report["retired_pending"] = retired.held()
+    clear_alarm()
+    report.update(_generation_one(rank, store))
+    # From dropping generation 0 to the first all_reduce of generation 1 done.
+    report["rebuild_s"] = report["gen1_ready_at"] - started
+    return report
+
+
+def _generation_one(rank: int, store: dist.Store) -> dict:
+    """Builds generation 1 (world of 4) and checks a collective and p2p with rank 3."""
+    _init(store, "gen1", rank, 4)
+    pairs = [dist.new_group([0, 3]), dist.new_group([1, 2])]
+    tensor = torch.full((2,), float(rank + 1))
+    dist.all_reduce(tensor)
+    report: dict[str, Any] = {"gen1_all_reduce": tensor.tolist(), "gen1_ready_at": time.monotonic()}
+    if rank in (0, 3):
+        pair = pairs[0]
+        message = torch.full((3,), 7.0) if rank == 3 else torch.empty(3)
+        if rank == 3:
+            dist.send(message, dst=0, group=pair)
+        else:
+            dist.recv(message, src=3, group=pair)
+        report["gen1_p2p"] = message.tolist()
+    dist.barrier()
+    report["gen1_world_type"] = type(dist.group.WORLD).__name__
+    dist.destroy_process_group()
+    return report
+
+
+def _replacement(rank: int, store: dist.Store, port: int, takes_rank: int) -> dict:
+    """A process that never belonged to generation 0 joins generation 1 as ``takes_rank``."""
+    register_backend()
+    store.wait(["gen1/open"])
+    return _generation_one(takes_rank, store)
+
+
+def test_survivors_leave_a_hung_collective_and_rebuild_with_a_replacement() -> None:
+    hung, replacement = 3, 103
+    with _job() as job:
+        for rank in range(4):
+            job.start(rank, _survivor_or_hung, hung)
+        job.start(replacement, _replacement, hung)
+        job.wait_keys(["hung/ready"])
+        time.sleep(0.1)  # into its sleep
+        job.signal(hung, signal.SIGSTOP)
+        job.store.set("hung/stopped", "1")
+        survivors = [0, 1, 2]
+        job.wait_keys([f"blocked/{rank}" for rank in survivors])
+        time.sleep(0.3)  # well inside the blocked all_reduce
+        job.store.set("gen1/open", "1")
+        alarm_set = time.monotonic()
+        job.store.set("gen0/alarm", json.dumps({"reason": "rank 3 hung"}))
+        results = job.collect(survivors + [replacement])
+        # Survivors exit although their generation-0 all_reduce is still pending.
+        assert all(code == 0 for code in job.exits_within(survivors, 10).values())
+    for rank in survivors:
+        report = results[rank]
+        print(f"rank {rank}: alarm -> out {report['alarm_to_out_s'] * 1e3:.1f} ms "
+              f"(store key -> out {(report['left_at'] - alarm_set) * 1e3:.1f} ms), destroy "
+              f"{report['destroy_s'] * 1e3:.1f} ms, rebuild {report['rebuild_s'] * 1e3:.0f} ms")
+        assert report["left_by"] == "CollectiveAborted"
+        if rank != 2:
+            assert report["bounded_wait"] == "TimeoutError"
+            assert report["later_wait"] == "CollectiveAborted"
+        assert report["alarm_to_out_s"] < 1.0
+        assert report["left_at"] - alarm_set < 1.0
+        assert report["refused"] is True
+        assert report["destroy_s"] < 1.0
+        assert report["retired_pending"] >= 1  # the abandoned op was still pending in gloo
+        assert report["gen1_all_reduce"] == [10.0, 10.0]
+        assert report["gen1_world_type"] == "MoverProcessGroup"
+    assert results[0]["gen1_p2p"] == [7.0] * 3 and results[replacement]["gen1_p2p"] == [7.0] * 3
+
+
+def _killed_neighbours(rank: int, store: dist.Store, port: int, killed: int) -> dict:
+    _init(store, "gen0", rank, 4)
+    tensor = torch.ones(1)
+    dist.all_reduce(tensor)
+    if rank == killed:
+        store.set("victim/ready", "1")
+        time.sleep(3600)
+    _watch_generation_0(port)
+    store.set(f"blocked/{rank}", "1")
+    report: dict[str, Any] = {}
+    try:
+        dist.all_reduce(tensor)
+        report["left_by"] = "completed?!"
+    except Exception as error:  # a gloo error or CollectiveAborted: either is a way out
+        report["left_by"] = type(error).__name__
+    report["left_at"] = time.monotonic()
+    started = time.monotonic()
+    dist.destroy_process_group()
+    report["destroy_s"] = time.monotonic() - started
+    return report
+
+
+def test_neighbours_of_a_killed_rank_leave_promptly() -> None:
+    killed, alarm_delay_s = 3, 0.3
+    with _job() as job:
+        for rank in range(4):
+            job.start(rank, _killed_neighbours, killed)
+        survivors = [0, 1, 2]
+        job.wait_keys(["victim/ready"] + [f"blocked/{rank}" for rank in survivors])
+        time.sleep(0.3)
+        job.signal(killed, signal.SIGKILL)
+        killed_at = time.monotonic()
+        time.sleep(alarm_delay_s)  # let gloo report the loss first where it can
+        job.store.set("gen0/alarm", json.dumps({"reason": "rank 3 exited"}))
+        results = job.collect(survivors)
+    for rank in survivors:
+        report = results[rank]
+        left_ms = (report["left_at"] - killed_at) * 1e3
+        print(f"rank {rank}: left by {report['left_by']} {left_ms:.0f} ms after the kill, "
+              f"destroy {report['destroy_s'] * 1e3:.1f} ms")
+        assert report["left_by"] != "completed?!"
+        assert report["left_at"] - killed_at < alarm_delay_s + 1.0
+        assert report["destroy_s"] < 1.0
+
+
+def _megatron_groups(rank: int, store: dist.Store, port: int) -> dict:
+    from megatron.core import parallel_state
+
+    _init(store, "gen0", rank, 4)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1,
+                                             pipeline_model_parallel_size=2)
+    groups = {
+        "tp": parallel_state.get_tensor_model_parallel_group(),
+        "pp": parallel_state.get_pipeline_model_parallel_group(),
+        "dp": parallel_state.get_data_parallel_group(),
+        "mp": parallel_state.get_model_parallel_group(),
+        "embedding": parallel_state.get_embedding_group(),
+    }
+    report: dict[str, Any] = {name: type(group).__name__ for name, group in groups.items()}
+    world = dist.distributed_c10d._world
+    report["kinds"] = sorted({(type(pg).__name__, str(backend))
+                              for pg, (backend, _) in world.pg_map.items()})
+    tensor = torch.full((1,), float(rank))
+    dist.all_reduce(tensor, group=groups["dp"])
+    report["dp_sum"] = tensor.item()
+    next_rank = parallel_state.get_pipeline_model_parallel_next_rank()
+    prev_rank = parallel_state.get_pipeline_model_parallel_prev_rank()
+    incoming = torch.empty(1)
+    ops = [dist.P2POp(dist.isend, torch.full((1,), float(rank)), next_rank, groups["pp"]),
+           dist.P2POp(dist.irecv, incoming, prev_rank, groups["pp"])]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    report["pp_from_prev"] = incoming.item() == float(prev_rank)
+    raise_alarm("test")
+    try:
+        dist.all_reduce(tensor, group=groups["dp"])
+        report["dp_refused"] = False
+    except CollectiveAborted:
+        report["dp_refused"] = True
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+    return report
+
+
+@pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
+                    reason="megatron-core is not installed")
+def test_megatron_parallel_state_groups_are_abortable() -> None:
+    with _job() as job:
+        for rank in range(4):
+            job.start(rank, _megatron_groups)
+        results = job.collect(list(range(4)))
+    for rank, report in results.items():
+        print(f"rank {rank}: {report['kinds']}")
+        for name in ("tp", "pp", "dp", "mp", "embedding"):
+            assert report[name] == "MoverProcessGroup", (rank, name)
+        # With TP 1 and PP 2 of 4 ranks, Megatron's data-parallel groups are [0, 1] and [2, 3].
+        assert report["dp_sum"] == float(4 * (rank // 2) + 1)
+        # Megatron's explicit gloo groups (checkpointing helpers) stay plain gloo.
+        assert {kind for kind, _ in report["kinds"]} <= {"MoverProcessGroup", "ProcessGroup"}
+        assert report["pp_from_prev"] and report["dp_refused"]

@@ -1,0 +1,62 @@
+"""Pure tests of the recovery decision, the standby pool and membership."""
+
+from mover_plugin.generations import (
+    Fallback,
+    Membership,
+    Replacement,
+    StandbyPool,
+    plan_recovery,
+)
+from mover_plugin.layout import ParallelLayout
+
+
+def pool_of(*items):
+    pool = StandbyPool()
+    for standby, node in items:
+        pool.add(standby, node)
+    return pool
+
+
+def test_a_lost_rank_gets_a_standby_and_its_twin():
+    layout = ParallelLayout.for_world(4, tp=1, pp=2)
+    plan = plan_recovery([3], layout, pool_of(("s0", 0)))
+    assert plan == [Replacement(rank=3, standby="s0", twin=2)]
+
+
+def test_standby_on_another_host_is_preferred():
+    layout = ParallelLayout.for_world(4, tp=1, pp=2)
+    plan = plan_recovery([1], layout, pool_of(("a", 0), ("b", 1)), node_of_rank={1: 0})
+    assert plan[0].standby == "b"
+
+
+def test_no_twin_when_data_parallel_size_is_one():
+    layout = ParallelLayout.for_world(4, tp=2, pp=2)
+    plan = plan_recovery([1], layout, pool_of(("s0", 0)))
+    assert isinstance(plan, Fallback) and "data-parallel size is 1" in plan.reason
+
+
+def test_no_standby_left():
+    layout = ParallelLayout.for_world(4, tp=1, pp=2)
+    plan = plan_recovery([0], layout, StandbyPool())
+    assert plan == Fallback("1 rank(s) lost but 0 standby(s) ready")
+
+
+def test_both_replicas_of_a_shard_lost():
+    layout = ParallelLayout.for_world(4, tp=1, pp=2)
+    plan = plan_recovery([2, 3], layout, pool_of(("a", 0), ("b", 0)))
+    assert isinstance(plan, Fallback) and "every data-parallel twin was lost" in plan.reason
+
+
+def test_unknown_layout_falls_back():
+    assert isinstance(plan_recovery([0], None, pool_of(("a", 0))), Fallback)
+
+
+def test_16k_ranks_two_failures_two_standbys():
+    layout = ParallelLayout.for_world(16384, tp=8, pp=16)
+    plan = plan_recovery([5, 9000], layout, pool_of(("a", 0), ("b", 1)))
+    # The first live replica of the same shard: rank 5 is (tp 5, dp 0, pp 0) -> dp 1 is 13;
+    # rank 9000 is (tp 0, dp 101, pp 8) -> dp 0 is 8 * 128 * 8 = 8192.
+    assert [(r.rank, r.twin) for r in plan] == [(5, 13), (9000, 8192)]
+    membership = Membership(0, {r: f"w{r}" for r in range(16384)}).next_generation(plan)
+    assert membership.generation == 1
+    assert membership.members[5] == "a" and membership.members[9000] == "b"

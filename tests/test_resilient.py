@@ -1,0 +1,152 @@
+"""Crash recovery without a restart: examples/pretrain_gpt.py --resilient under
+mover-launch --policy resilient, with real SIGKILL/SIGSTOP delivered to real worker processes.
+
+Each run must complete every step with the failure-free PARAMS_DIGEST; the event log must
+show detect -> switch -> resume, every survivor leaving the failed step, and a standby (the
+only new process) taking the lost rank's place.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from gpt_jobs import EXAMPLE, LAUNCH, MODEL, digest, pretrain, read_events
+
+pytest.importorskip("megatron.core")
+
+PP2 = ["--pipeline-model-parallel-size", "2", "--train-iters", "10", "--resilient"]
+
+
+def resilient_run(tmp_path, *injections, standbys=1, script_flags=PP2, extra=()):
+    summary, events = tmp_path / "summary.json", tmp_path / "events.jsonl"
+    launcher = ["--policy", "resilient", "--standbys", str(standbys), "--summary", str(summary),
+                "--event-log", str(events), "--stop-grace-s", "2", *extra]
+    for injection in injections:
+        launcher += ["--inject-failure", injection]
+    result = pretrain(*script_flags, launcher_flags=launcher)
+    assert result.returncode == 0, result.output[-5000:]
+    return result, json.loads(summary.read_text()), read_events(events)
+
+
+def check_standby_recovery(interruption, events, rank, world_size=4):
+    assert interruption["recovery"] == "standby"
+    assert interruption["rank"] == rank
+    survivors = sorted(set(range(world_size)) - {rank})
+    assert sorted(int(r) for r in interruption["left_s"]) == survivors
+    order = [e["event"] for e in events if e["event"] in ("worker_failed", "promote", "resumed")]
+    assert order == ["worker_failed", "promote", "resumed"]
+    generation = interruption["generation"]
+    switched = {e["rank"]: e["role"] for e in events
+                if e["event"] == "switched" and e["generation"] == generation}
+    assert switched == {r: ("joiner" if r == rank else "survivor") for r in range(world_size)}
+    assert not [e for e in events if e["event"] == "attempt_start" and e["attempt"] > 0]
+
+
+@pytest.mark.parametrize(
+    "rank, step",
+    [(0, 3), (1, 8), (2, 4), (3, 7)],
+    ids=["first-stage-dp0-early", "first-stage-dp1-late", "last-stage-dp0-early",
+         "last-stage-dp1-late"],
+)
+def test_sigkill_of_any_rank_is_survived_exactly(tmp_path, reference_pp2, rank, step):
+    result, summary, events = resilient_run(tmp_path, f"{rank}:{step}")
+    assert digest(result) == digest(reference_pp2)
+    assert summary["steps_completed"] == 10 and summary["restarts"] == 0
+    (interruption,) = summary["interruptions"]
+    assert interruption["step"] >= step and interruption["how"] == "signal SIGKILL"
+    check_standby_recovery(interruption, events, rank)
+    assert {"detected", "alarm", "left", "switched", "first_step_completed"} <= set(
+        interruption["phases_s"])
+
+
+def test_two_failures_with_two_standbys(tmp_path, reference_pp2):
+    result, summary, events = resilient_run(tmp_path, "1:4", "2:7", standbys=2)
+    assert digest(result) == digest(reference_pp2)
+    assert [i["rank"] for i in summary["interruptions"]] == [1, 2]
+    assert [i["recovery"] for i in summary["interruptions"]] == ["standby", "standby"]
+
+
+def test_a_hung_rank_is_found_killed_and_replaced(tmp_path, reference_pp2):
+    flags = [*PP2, "--resilient-failure-timeout-s", "3"]
+    result, summary, events = resilient_run(tmp_path, "2:5:SIGSTOP", script_flags=flags)
+    assert digest(result) == digest(reference_pp2)
+    (interruption,) = summary["interruptions"]
+    assert interruption["kind"] == "hang" and interruption["recovery"] == "standby"
+    assert [e["rank"] for e in events if e["event"] == "hung"] == [2]
+
+
+def test_no_twin_falls_back_to_the_restart_baseline(tmp_path, reference_tp2_pp2):
+    ckpt = str(tmp_path / "ckpt")
+    flags = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+             "--train-iters", "6", "--resilient", "--save", ckpt, "--load", ckpt,
+             "--save-interval", "1"]
+    result, summary, events = resilient_run(tmp_path, "1:4", script_flags=flags)
+    assert digest(result) == digest(reference_tp2_pp2)
+    (interruption,) = summary["interruptions"]
+    assert interruption["recovery"] == "restart" and summary["restarts"] == 1
+    (fallback,) = [e for e in events if e["event"] == "fallback"]
+    assert "data-parallel size is 1" in fallback["reason"]
+
+
+def _standby_pids():
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and b"MOVER_STANDBY_ID=" in (entry / "environ").read_bytes():
+                pids.append(int(entry.name))
+        except OSError:
+            continue
+    return pids
+
+
+def test_a_standby_dying_while_idle_only_shrinks_the_pool(tmp_path, reference_pp2):
+    events_path = tmp_path / "events.jsonl"
+    command = [*LAUNCH, "--standalone", "--nproc-per-node", "4", "--policy", "resilient",
+               "--standbys", "1", "--event-log", str(events_path), EXAMPLE, *MODEL, *PP2]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and not (
+                events_path.exists() and "standby_ready" in events_path.read_text()):
+            time.sleep(0.2)
+        (standby,) = _standby_pids()
+        os.kill(standby, signal.SIGKILL)
+        output, _ = process.communicate(timeout=240)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    assert process.returncode == 0, output[-4000:]
+    assert f"PARAMS_DIGEST {digest(reference_pp2)}" in output
+    events = read_events(events_path)
+    (lost,) = [e for e in events if e["event"] == "standby_lost"]
+    assert lost["pool"] == 0 and lost["how"] == "signal SIGKILL"
+    assert not [e for e in events if e["event"] in ("worker_failed", "fallback", "restart")]
+
+
+@pytest.mark.parametrize(
+    "launcher_flags, script_flags, message",
+    [
+        (["--standbys", "-1"], [], "'-1' is not a non-negative integer"),
+        (["--policy", "restart", "--standbys", "1"], [], "--standbys 1 needs --policy resilient"),
+        ([], ["--resilient-heartbeat-interval-s", "5", "--resilient-failure-timeout-s", "2"],
+         "--resilient-heartbeat-interval-s 5.0 must be below --resilient-failure-timeout-s 2.0"),
+        ([], ["--resilient-failure-timeout-s", "90"],
+         "--resilient-failure-timeout-s 90.0 must be below --resilient-collective-timeout-s"),
+    ],
+)
+def test_bad_resilience_input_fails_before_anything_starts(launcher_flags, script_flags,
+                                                           message):
+    flags = launcher_flags if "--policy" in launcher_flags else ["--policy", "resilient",
+                                                                 *launcher_flags]
+    result = pretrain("--resilient", *script_flags, launcher_flags=flags, timeout_s=60)
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("mover-launch: error: ") and message in line
+    assert "starting" not in result.output
