@@ -172,7 +172,7 @@ class Controller:
     def _on_worker_exit(self, event: dict[str, Any]) -> Optional[int]:
         if event["returncode"] == 0:
             return None
-        if self._failed and self.config.policy == "restart":
+        if self._failed:  # a restart of this attempt is under way already
             logger.info("rank %d also exited (%s)", event["rank"], event["how"])
             return None
         return self._on_failure(event)

@@ -36,8 +36,13 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from mover_plugin.comm import CollectiveAborted, clear_alarm, raise_alarm, register_backend
-from mover_plugin.comm.process_group import BACKEND_NAME
+from mover_plugin.comm import (
+    BACKEND_NAME,
+    CollectiveAborted,
+    clear_alarm,
+    raise_alarm,
+    register_backend,
+)
 from mover_plugin.errors import LaunchError
 from mover_plugin.layout import ParallelLayout
 from mover_plugin.megatron.checkpoint import capture_rng_state, restore_rng_state
@@ -270,16 +275,18 @@ class MegatronResilience:
         """Brings this survivor to ``target`` completed iterations."""
         step = self._step
         if self._applied == target - 1 and step is not None and step.reached_commit:
+            # Some rank passed the commit: every rank's gradients were complete.
             self._apply_update()
             self._scheduler.step(increment=self.args.global_batch_size)
             self._applied = target
-        elif self._applied == target:
-            restore_rng_state(snapshot)  # the interrupted iteration will be redone
-        else:
+        if self._applied != target:
             raise LaunchError(
                 f"rank {self.rank} completed {self._applied} iterations but the job is at "
                 f"{target}; it cannot catch up"
             )
+        if step is not None and step.iteration == target:
+            # The interrupted iteration is dropped and will be redone from its start.
+            restore_rng_state(snapshot)
 
     # -- state transfer -------------------------------------------------------------------
 
