@@ -240,6 +240,7 @@ class Controller:
     def _record_failure(self, event: dict[str, Any]) -> Interruption:
         injected = self._injected.pop((event["rank"], event["attempt"]), None)
         hung = event["rank"] in self._hung
+        self._hung.discard(event["rank"])  # a later failure of this rank is its replacement's
         interruption = Interruption(
             kind="hang" if hung else "failure",
             rank=event["rank"],

@@ -20,13 +20,11 @@ class EventLog:
         if path is not None:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             self._file = open(path, "a", encoding="utf-8")
-        self.records: list[dict[str, Any]] = []
 
     def write(self, event: str, phase: str, *, generation: int, rank: Optional[int] = None,
               when: Optional[float] = None, **fields: Any) -> dict[str, Any]:
         record = {"time": time.time() if when is None else when, "generation": generation,
                   "rank": rank, "event": event, "phase": phase, **fields}
-        self.records.append(record)
         if self._file is not None:
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()

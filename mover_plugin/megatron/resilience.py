@@ -95,6 +95,8 @@ class MegatronResilience:
         self._model: Any = None
         self._optimizer: Any = None
         self._scheduler: Any = None
+        self._apply_update: Callable[[], bool] = lambda: True
+        """The optimizer's own update, without the commit gate (set by :meth:`attach`)."""
         self._heartbeat = Heartbeat(progress, self.settings.heartbeat_interval_s,
                                     self.settings.failure_timeout_s)
         self._alarm_watch: Optional[threading.Thread] = None
@@ -260,13 +262,12 @@ class MegatronResilience:
         return target
 
     def _agree_on_iteration(self) -> int:
-        """All ranks of the new generation learn the iteration everyone will be at."""
-        mine = None
-        if self.joiner_of is None or self._step is not None:
-            step = self._step
-            mine = {"applied": self._applied,
-                    "passed": bool(step and step.passed_commit),
-                    "reached": bool(step and step.reached_commit)}
+        """All ranks of the new generation learn the iteration everyone will be at.
+
+        A survivor (interrupted inside ``run_step``) contributes its commit record; a joiner,
+        which has none, contributes nothing."""
+        step = self._step
+        mine = None if step is None else {"applied": self._applied, "passed": step.passed_commit}
         records: list[Any] = [None] * self.world_size
         dist.all_gather_object(records, mine)
         return max(r["applied"] + (1 if r["passed"] else 0) for r in records if r is not None)
