@@ -34,6 +34,7 @@ setup(
     entry_points={
         "console_scripts": [
             "mover-launch=mover_plugin.launch.cli:main",
+            "mover=mover_plugin.launch.jobctl:main",
         ]
     },
 )

@@ -6,8 +6,13 @@ delivers injected failures). The controller applies a *policy* when a worker die
 policy, ``restart``, is the baseline users have today: stop all workers, start all again, and
 let the training script resume from its latest checkpoint.
 
+The ``resilient`` policy replaces a lost rank with a standby inside the running job, and the
+``mover`` command (``jobctl``) moves ranks to standbys on an operator's request.
+
 Modules: ``hostfile`` (host list parsing), ``config`` (flags and their checks), ``mailbox``
-(ordered messages over the store), ``summary`` (interruption timing and the JSON summary),
-``agent``, ``controller``, ``preflight`` (checking the script's own flags before any worker
-starts) and ``cli`` (the console script).
+(ordered messages over the store), ``protocol`` (the store's keys), ``summary`` (interruption
+timing and the JSON summary), ``eventlog``, ``agent``, ``controller``, ``preflight`` (checking
+the script's own flags before any worker starts), ``cli`` (the ``mover-launch`` console
+script), ``jobs`` (the jobs running on this host) and ``jobctl`` (``mover status``,
+``mover migrate`` and their Python API).
 """

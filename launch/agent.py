@@ -1,14 +1,18 @@
 """The per-host agent: starts the workers of one host, watches them, obeys the controller.
 
 The agent reads the controller's commands (``start``, ``stop``, ``promote``, ``generation``,
-``finish``, ``abort``) from the store and posts what it sees (``joined``, ``started``,
-``ready``, ``first_step``, ``worker_exit``, ``injected``, ``hung``, ``standby_ready``,
-``standby_exit``, ``stopped``, ``node_done``) as events. It notices a process's exit within one
+``notice``, ``cancel_promotion``, ``finish``, ``abort``) from the store and posts what it sees
+(``joined``, ``started``, ``ready``, ``first_step``, ``worker_exit``, ``leaver_exit``,
+``injected``, ``migration_due``, ``hung``, ``standby_ready``, ``standby_exit``, ``stopped``,
+``node_done``, ``node_busy``) as events. It notices a process's exit within one
 poll period (10 ms), reads each process's progress pipe to deliver injected failures at the
 step they name and to see heartbeats (a process silent past the timeout its heartbeats
 announce is killed, so that its exit starts the recovery), and stops every process when the
 controller goes away. Besides the workers it starts the host's standby processes (same
-command, ``MOVER_STANDBY_ID`` set, no rank) and relabels one as a worker when promoted.
+command, ``MOVER_STANDBY_ID`` set, no rank) and relabels one as a worker when promoted; in a
+migration the process it replaces keeps running as a *leaver* until it has handed its state
+over and exits. Notices to a generation are written into every local rank's notice pipe
+(``mover_plugin.runtime.notices``).
 
 Run as ``python -m mover_plugin.launch.agent`` with its settings as JSON in
 ``MOVER_AGENT_CONFIG`` (the launcher does this), or in-process through :class:`Agent`.
@@ -31,9 +35,10 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from mover_plugin.launch.config import FailureInjection, NodeSpec
+from mover_plugin.launch.config import FailureInjection, MigrationInjection, NodeSpec
 from mover_plugin.launch.mailbox import Mailbox
 from mover_plugin.processes import describe_exit, start_process, stop_processes
+from mover_plugin.runtime.notices import NOTICE_FD_ENV, encode_notice
 from mover_plugin.progress import (
     HEARTBEAT,
     PROGRESS_FD_ENV,
@@ -61,6 +66,7 @@ class AgentConfig:
     injections: tuple[FailureInjection, ...] = ()
     stop_grace_s: float = 5.0
     standbys: int = 0
+    migrations: tuple[MigrationInjection, ...] = ()
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -77,6 +83,7 @@ class AgentConfig:
             injections=tuple(FailureInjection(**i) for i in raw["injections"]),
             stop_grace_s=raw["stop_grace_s"],
             standbys=raw["standbys"],
+            migrations=tuple(MigrationInjection(**i) for i in raw["migrations"]),
         )
 
 
@@ -89,7 +96,12 @@ class Worker:
     attempt: int
     process: subprocess.Popen
     pipe: int
+    """The read end of the process's progress pipe (-1 once closed)."""
+    notice_pipe: int = -1
+    """The write end of the process's notice pipe (-1 once closed)."""
     standby: Optional[str] = None
+    leaving: bool = False
+    """Handing its rank over to a promoted standby (planned migration)."""
     reader: ProgressLineReader = field(default_factory=ProgressLineReader)
     step_begun: int = 0
     step_completed: int = 0
@@ -139,10 +151,13 @@ class Agent:
         self._workers: list[Worker] = []
         self._selector = selectors.DefaultSelector()
         self._pending_injections = sorted(config.injections, key=lambda i: (i.step, i.rank))
+        self._pending_migrations = sorted(config.migrations, key=lambda i: (i.step, i.rank))
         self._armed = False
         """Injected failures wait until the controller says the job is fully provisioned."""
         self._attempt = -1
         self._generation = 0
+        self._idle_reported = False
+        """This host reported itself done because all its ranks moved away."""
 
     def run(self) -> int:
         """Serves the controller until it says ``finish`` (returns 0) or ``abort`` (1)."""
@@ -173,7 +188,11 @@ class Agent:
         elif op == "arm":
             self._armed = True
         elif op == "promote":
-            self._promote(command["standby"], command["rank"])
+            self._promote(command["standby"], command["rank"], command.get("migration", False))
+        elif op == "notice":
+            self._relay(command)
+        elif op == "cancel_promotion":
+            self._cancel_promotion(command["standby"], command["rank"])
         elif op == "generation":
             self._generation = command["generation"]
             for worker in self._workers:
@@ -203,27 +222,63 @@ class Agent:
                standby: Optional[str] = None) -> None:
         """Starts a worker (or, with ``standby``, a standby) with a progress pipe; tracks it."""
         read_fd, write_fd = os.pipe()
+        notice_read, notice_write = os.pipe()
         env = self._worker_env(rank, local_rank, self._attempt, store_port, write_fd)
+        env[NOTICE_FD_ENV] = str(notice_read)
         if standby is not None:
             env["MOVER_STANDBY_ID"] = standby
-        process = start_process(list(self.config.command), env, pass_fds=(write_fd,))
+        process = start_process(list(self.config.command), env,
+                                pass_fds=(write_fd, notice_read))
         os.close(write_fd)
+        os.close(notice_read)
         os.set_blocking(read_fd, False)
-        worker = Worker(rank, self._attempt, process, read_fd, standby=standby)
+        os.set_blocking(notice_write, False)
+        worker = Worker(rank, self._attempt, process, read_fd, notice_write, standby=standby)
         self._selector.register(read_fd, selectors.EVENT_READ, worker)
         self._workers.append(worker)
 
-    def _promote(self, standby: str, rank: int) -> None:
-        # The process that held the rank before is gone; the standby holds it from now on.
-        for worker in [w for w in self._workers if w.rank == rank and w.exited]:
-            self._close_pipe(worker)
-            self._workers.remove(worker)
+    def _promote(self, standby: str, rank: int, migration: bool) -> None:
+        # The process that held the rank before is gone (or, in a migration, leaving); the
+        # standby holds it from now on.
+        for worker in [w for w in self._workers if w.rank == rank and w.standby != standby]:
+            if worker.exited:
+                self._close_pipe(worker)
+                self._workers.remove(worker)
+            elif migration:
+                worker.leaving = True
         for worker in self._workers:
             if worker.standby == standby:
                 worker.rank = rank
                 worker.ready_reported = worker.first_step_reported = False
+                if self._idle_reported:
+                    self._idle_reported = False
+                    self._post("node_busy")
                 return
-        logger.error("node %d: no standby %s to promote", self.config.node.node_rank, standby)
+        # The standby runs on another host: its agent relabels it.
+
+    def _relay(self, command: dict[str, Any]) -> None:
+        """Writes a notice into every local rank's notice pipe (each process keeps the ones
+        of the generation it is in)."""
+        line = encode_notice({k: v for k, v in command.items() if k != "op"})
+        for worker in self._workers:
+            if worker.rank is None or worker.exited or worker.notice_pipe < 0:
+                continue
+            try:
+                os.write(worker.notice_pipe, line)
+            except (BlockingIOError, BrokenPipeError):
+                pass  # a process that reads no notices is exiting or hung (and will be killed)
+
+    def _cancel_promotion(self, standby: str, rank: int) -> None:
+        """A migration that cannot happen any more: the promoted standby is stopped and the
+        process that held the rank keeps it."""
+        joiners = [w for w in self._workers if w.standby == standby and w.rank == rank]
+        stop_processes([w.process for w in joiners if not w.exited], self.config.stop_grace_s)
+        for worker in joiners:
+            self._close_pipe(worker)
+            self._workers.remove(worker)
+        for worker in self._workers:
+            if worker.rank == rank:
+                worker.leaving = False
 
     def _worker_env(
         self, rank: Optional[int], local_rank: Optional[int], attempt: int, store_port: int,
@@ -304,8 +359,12 @@ class Agent:
                            duration=event.duration_s)
 
     def _maybe_inject(self, worker: Worker, step: int) -> None:
-        if not self._armed:
+        if not self._armed or worker.leaving:
             return
+        for migration in [m for m in self._pending_migrations
+                          if m.rank == worker.rank and m.step <= step]:
+            self._pending_migrations.remove(migration)
+            self._post("migration_due", rank=worker.rank, step=step)
         due = [i for i in self._pending_injections if i.rank == worker.rank and i.step <= step]
         if not due:
             return
@@ -329,10 +388,23 @@ class Agent:
             if worker.rank is None:
                 self._post("standby_exit", standby=worker.standby, returncode=returncode,
                            how=describe_exit(returncode))
+            elif worker.leaving:
+                self._post("leaver_exit", returncode=returncode, how=describe_exit(returncode),
+                           **worker.progress_fields())
             else:
                 self._post("worker_exit", returncode=returncode, how=describe_exit(returncode),
                            **worker.progress_fields())
-        ranked = [w for w in self._workers if w.rank is not None]
+        ranked = [w for w in self._workers if w.rank is not None and not w.leaving]
+        leavers = [w for w in self._workers if w.leaving]
+        if not ranked and leavers and all(w.exited for w in leavers):
+            # Every rank of this host moved away: nothing left to train unless one of its
+            # standbys is promoted later (then ``node_busy`` takes this back).
+            for worker in leavers:
+                self._close_pipe(worker)
+                self._workers.remove(worker)
+            self._idle_reported = True
+            self._post("node_done", steps_completed=None, workers=[])
+            return
         if ranked and all(w.exited and w.process.returncode == 0 for w in ranked):
             steps = min(w.step_completed for w in ranked)
             workers = [w.progress_fields() for w in ranked]
@@ -363,6 +435,9 @@ class Agent:
         self._close_pipe(worker)
 
     def _close_pipe(self, worker: Worker) -> None:
+        if worker.notice_pipe >= 0:
+            os.close(worker.notice_pipe)
+            worker.notice_pipe = -1
         if worker.pipe < 0:
             return
         try:

@@ -21,6 +21,7 @@ from mover_plugin.errors import ConfigError, LaunchError
 from mover_plugin.launch.agent import AGENT_CONFIG_ENV, Agent, AgentConfig, connect_to_controller
 from mover_plugin.launch.config import LaunchConfig, parse_launch_args
 from mover_plugin.launch.controller import Controller
+from mover_plugin.launch.jobs import registered_job
 from mover_plugin.launch.preflight import run_preflight
 from mover_plugin.launch.summary import RunSummary
 from mover_plugin.processes import start_process, stop_processes
@@ -51,7 +52,8 @@ def _run_first_host(config: LaunchConfig) -> int:
     agents = [_spawn_agent(config, node_rank, port) for node_rank in config.local_node_ranks]
     controller = Controller(config, store, agents)
     try:
-        return controller.run()
+        with registered_job(config.master_addr, port, config.command):
+            return controller.run()
     finally:
         stop_processes(agents, grace_s=config.stop_grace_s + 5.0)
         _report(controller.summary, config)
@@ -84,6 +86,7 @@ def _agent_config(config: LaunchConfig, node_rank: int, port: int) -> AgentConfi
         master_port=port,
         command=config.command,
         injections=tuple(i for i in config.injections if i.rank in node.ranks),
+        migrations=tuple(i for i in config.migrations if i.rank in node.ranks),
         stop_grace_s=config.stop_grace_s,
         standbys=config.standbys,
     )

@@ -38,6 +38,17 @@ class FailureInjection:
 
 
 @dataclass(frozen=True)
+class MigrationInjection:
+    """Ask the controller to migrate global ``rank`` when its worker begins ``step``."""
+
+    rank: int
+    step: int
+
+    def spec(self) -> str:
+        return f"{self.rank}:{self.step}"
+
+
+@dataclass(frozen=True)
 class NodeSpec:
     """One host of the job: its node rank, name, worker count and first global rank."""
 
@@ -69,6 +80,8 @@ class LaunchConfig:
     policy: str = "restart"
     max_restarts: int = 3
     injections: tuple[FailureInjection, ...] = ()
+    migrations: tuple[MigrationInjection, ...] = ()
+    """Planned migrations the launcher itself requests (``--inject-migration``)."""
     summary_path: Optional[str] = None
     event_log_path: Optional[str] = None
     """JSON-lines event log of the controller."""
@@ -103,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="This host's index among the hosts (default 0).")
     add("--master-addr", "--master_addr", dest="master_addr", default="127.0.0.1",
         help="Address of the first host, where the controller runs.")
-    add("--master-port", "--master_port", dest="master_port", type=_port, default=None,
+    add("--master-port", "--master_port", dest="master_port", type=port_number, default=None,
         help=f"Port of the controller's store (default {DEFAULT_MASTER_PORT}; 0: any free port, "
         "single-machine jobs only).")
     add("--standalone", action="store_true",
@@ -127,6 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="Deliver SIGNAL (default SIGKILL) to global RANK when it begins STEP (1-based). "
         "Repeatable; each fires once. With standbys it fires only once every standby is "
         "ready: at STEP or, if they are not ready by then, at the first step after.")
+    add("--inject-migration", dest="inject_migration", action="append", default=[],
+        type=_migration_argument, metavar="RANK:STEP",
+        help="Migrate global RANK to a standby when it begins STEP, as 'mover migrate --rank "
+        "RANK' would (resilient policy). Repeatable; armed like --inject-failure.")
     add("--summary", default=None, metavar="PATH", help="Write a JSON run summary to PATH.")
     add("--stop-grace-s", type=_positive_float, default=5.0,
         help="Seconds between SIGTERM and SIGKILL when stopping workers (default 5).")
@@ -149,12 +166,17 @@ def parse_launch_args(argv: Sequence[str], python: str) -> LaunchConfig:
     local, runs_controller = _local_nodes(args, nodes)
     master_port = _master_port(args, nodes, local)
     standbys = _standbys(args)
-    for injection in args.inject_failure:
-        if injection.rank >= world_size:
-            raise ConfigError(
-                f"--inject-failure {injection.spec()}: rank {injection.rank} does not exist; "
-                f"the job has ranks 0..{world_size - 1}"
-            )
+    for flag, injections in (("--inject-failure", args.inject_failure),
+                             ("--inject-migration", args.inject_migration)):
+        for injection in injections:
+            if injection.rank >= world_size:
+                raise ConfigError(
+                    f"{flag} {injection.spec()}: rank {injection.rank} does not exist; "
+                    f"the job has ranks 0..{world_size - 1}"
+                )
+    if args.inject_migration and args.policy != "resilient":
+        raise ConfigError(f"--inject-migration {args.inject_migration[0].spec()} needs "
+                          "--policy resilient (migration moves a rank to a standby)")
     target = ["-m", args.script] if args.module else [args.script]
     return LaunchConfig(
         nodes=nodes,
@@ -166,6 +188,7 @@ def parse_launch_args(argv: Sequence[str], python: str) -> LaunchConfig:
         policy=args.policy,
         max_restarts=args.max_restarts,
         injections=tuple(args.inject_failure),
+        migrations=tuple(args.inject_migration),
         summary_path=args.summary,
         event_log_path=args.event_log,
         standbys=standbys,
@@ -194,6 +217,13 @@ def _injection_argument(text: str) -> FailureInjection:
         return parse_injection(text)
     except ConfigError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _migration_argument(text: str) -> MigrationInjection:
+    parts = text.split(":")
+    if len(parts) != 2 or not all(part.isdigit() for part in parts) or int(parts[1]) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not RANK:STEP with STEP >= 1 (e.g. 1:4)")
+    return MigrationInjection(int(parts[0]), int(parts[1]))
 
 
 def _signal(name: str, text: str) -> int:
@@ -295,7 +325,8 @@ def _non_negative_int(text: str) -> int:
     return int(text)
 
 
-def _port(text: str) -> int:
+def port_number(text: str) -> int:
+    """argparse type of a TCP port (0: any free port)."""
     if not text.isdigit() or int(text) > 65535:
         raise argparse.ArgumentTypeError(f"{text!r} is not a port number (0..65535)")
     return int(text)

@@ -11,9 +11,19 @@ membership of the running workers, and its process groups live under the store p
 ``gen{g}/`` of the control store, so keys of an earlier generation can never satisfy a new
 rendezvous. When a worker dies (or is found hung) the controller plans generation ``g + 1``
 (``mover_plugin.generations.plan_recovery``): a ready standby takes the lost global rank and
-copies a data-parallel twin. It publishes the plan (``gen{g+1}/plan``), raises generation
-``g``'s alarm (``gen{g}/alarm``: survivors leave the failed step), and promotes the standby.
+copies a data-parallel twin. It publishes the plan (``gen{g+1}/plan``), sends generation
+``g`` an alarm notice (relayed by the agents: survivors leave the failed step), and promotes
+the standby.
 Without a standby or a twin it falls back to the restart policy, and the event log says why.
+
+A planned migration (``mover migrate``, :mod:`mover_plugin.launch.jobctl`) is a generation
+switch the controller starts itself: it plans generation ``g + 1`` with ready standbys in the
+leaving ranks' places (each leaving rank is its joiner's source of state), promotes them at
+once (phase 1: they get ready while training goes on), and when every joiner is prepared posts
+the ``switch`` notice to generation ``g``; the ranks switch at the end of the iteration in
+which they all saw it (phase 2), the leavers hand their state over and exit. Operator requests
+arrive in the ``requests`` mailbox; each gets a reply (accepted, or rejected with the reason)
+and, for a migration, a second one when training runs on the new processes.
 """
 
 from __future__ import annotations
@@ -23,21 +33,31 @@ import logging
 import statistics
 import subprocess
 import time
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch.distributed as dist
 
 from mover_plugin.errors import LaunchError
-from mover_plugin.generations import Fallback, Membership, StandbyPool, plan_recovery
+from mover_plugin.generations import (
+    Fallback,
+    Membership,
+    Replacement,
+    StandbyPool,
+    plan_migration,
+    plan_recovery,
+)
 from mover_plugin.launch.config import LaunchConfig
 from mover_plugin.launch.eventlog import EventLog
 from mover_plugin.launch.mailbox import Mailbox
 from mover_plugin.launch.protocol import (
     CURRENT_GENERATION_KEY,
     LAYOUT_KEY,
-    alarm_key,
+    REQUESTS_MAILBOX,
     plan_key,
     promotion_key,
+    request_done_key,
+    request_reply_key,
 )
 from mover_plugin.launch.summary import Interruption, RunSummary
 from mover_plugin.layout import ParallelLayout
@@ -45,6 +65,33 @@ from mover_plugin.layout import ParallelLayout
 logger = logging.getLogger(__name__)
 
 POLL_PERIOD_S = 0.005
+RECENT_EVENTS = 20
+"""How many of the latest event-log records ``mover status`` shows."""
+
+
+class _Rejected(Exception):
+    """An operator request the controller will not carry out (the message says why)."""
+
+
+@dataclass
+class _Migration:
+    """A planned migration from its acceptance until training runs on the joiners."""
+
+    request_id: str
+    plan: list[Replacement]
+    old_generation: int
+    interruption: Interruption
+    prepared: set[int] = field(default_factory=set)
+    boundary: dict[int, tuple[float, float]] = field(default_factory=dict)
+    """Per rank of the old generation: when it ended its last step there, and that step's
+    duration."""
+    handed_over: set[int] = field(default_factory=set)
+    before: tuple[Membership, dict[int, int]] = (Membership(0, {}), {})
+    """The membership and the ranks' nodes before, restored if the migration is cancelled."""
+
+    @property
+    def ranks(self) -> list[int]:
+        return [item.rank for item in self.plan]
 
 
 class Controller:
@@ -61,6 +108,7 @@ class Controller:
         self._store = store
         self._commands = Mailbox(store, "commands")
         self._events = Mailbox(store, "events")
+        self._requests = Mailbox(store, REQUESTS_MAILBOX)
         self._local_agents = local_agents or []
         self._nodes = {node.node_rank for node in config.nodes}
         self._node_of_rank = {r: n.node_rank for n in config.nodes for r in n.ranks}
@@ -77,6 +125,9 @@ class Controller:
         self._left: dict[int, dict[int, float]] = {}
         """Per generation: when each survivor left its failed step (it may report before the
         agent reports the failure)."""
+        self._migration: Optional[_Migration] = None
+        self._due_migrations: list[dict[str, Any]] = []
+        """Injected migrations whose step came while another interruption was in progress."""
 
     def run(self) -> int:
         """Runs the job to its end; returns the launcher's exit code (0: every worker exited 0)."""
@@ -86,6 +137,10 @@ class Controller:
             self._start_attempt(0)
             exit_code = self._serve()
         finally:
+            if self._migration is not None:  # the job ended right after (or before) a switch
+                switched = "switched" in self._migration.interruption.times
+                self._end_migration(ok=switched, error=None if switched else
+                                    "the job ended before the migration completed")
             self._commands.post({"op": "finish" if exit_code == 0 else "abort"})
             self.summary.finished_at = time.time()
             self.summary.exit_code = exit_code
@@ -149,6 +204,8 @@ class Controller:
                 exit_code = self._handle(event)
                 if exit_code is not None:
                     return exit_code
+            for request in self._requests.poll():
+                self._on_request(request)
             self._check_local_agents()
             time.sleep(POLL_PERIOD_S)
 
@@ -171,6 +228,9 @@ class Controller:
 
     def _on_worker_exit(self, event: dict[str, Any]) -> Optional[int]:
         if event["returncode"] == 0:
+            if self._migration is not None and not self._migration.boundary:
+                self._cancel_migration(f"rank {event['rank']} finished training before the "
+                                       "switch")
             return None
         if self._failed:  # a restart of this attempt is under way already
             logger.info("rank %d also exited (%s)", event["rank"], event["how"])
@@ -189,7 +249,15 @@ class Controller:
         self.log.write("worker_failed", "detect", generation=self._generation, rank=rank,
                        when=event["time"], how=event["how"], step=event["step_begun"])
         logger.warning("rank %d failed at step %d (%s)", rank, event["step_begun"], event["how"])
-        if self.config.policy == "resilient":
+        if self._migration is not None:
+            reason = (f"rank {rank} failed during the migration of rank(s) "
+                      f"{self._migration.ranks} (recovery within a migration is not supported "
+                      "yet)")
+            self._end_migration(ok=False, error=reason)
+            self.log.write("fallback", "fallback", generation=self._generation, rank=rank,
+                           reason=reason)
+            logger.warning("falling back to a restart: %s", reason)
+        elif self.config.policy == "resilient":
             plan = plan_recovery([rank], self._layout(), self._pool, self._node_of_rank)
             if not isinstance(plan, Fallback):
                 self._switch_generation(plan, interruption)
@@ -213,12 +281,8 @@ class Controller:
         record = {"generation": self._generation, "world_size": self.config.world_size,
                   "replacements": [vars(item) for item in plan]}
         self._store.set(plan_key(self._generation), json.dumps(record))
-        self._store.set(alarm_key(old), json.dumps({"reason": f"rank {interruption.rank} lost"}))
-        for item in plan:
-            self._store.set(promotion_key(item.standby),
-                            json.dumps({"rank": item.rank, "generation": self._generation}))
-            self._commands.post({"op": "promote", "standby": item.standby, "rank": item.rank})
-        self._commands.post({"op": "generation", "generation": self._generation})
+        self._notify(old, "alarm", reason=f"rank {interruption.rank} lost")
+        self._promote(plan, migration=False)
         now = time.time()
         interruption.recovery = "standby"
         interruption.generation = self._generation
@@ -230,6 +294,22 @@ class Controller:
         logger.info("generation %d: %s", self._generation,
                     ", ".join(f"rank {i.rank} <- standby {i.standby} (twin {i.twin})"
                               for i in plan))
+
+    def _notify(self, generation: int, kind: str, **fields: Any) -> None:
+        """A notice to generation ``generation``'s processes (the agents relay it)."""
+        self._commands.post({"op": "notice", "generation": generation, "kind": kind, **fields})
+
+    def _promote(self, plan: list[Replacement], *, migration: bool) -> None:
+        """Hands each planned rank to its standby (the agents relabel the processes) and moves
+        the agents to the new generation."""
+        for item in plan:
+            self._store.set(promotion_key(item.standby),
+                            json.dumps({"rank": item.rank, "generation": self._generation,
+                                        "migration": migration}))
+            self._commands.post({"op": "promote", "standby": item.standby, "rank": item.rank,
+                                 "migration": migration})
+            self._node_of_rank[item.rank] = item.node
+        self._commands.post({"op": "generation", "generation": self._generation})
 
     def _layout(self) -> Optional[ParallelLayout]:
         if not self._store.check([LAYOUT_KEY]):
@@ -321,6 +401,218 @@ class Controller:
             self._interruption.mark("switched", max(self._switched.values()))
         return None
 
+    # planned migration
+
+    def _on_request(self, request: dict[str, Any]) -> None:
+        """Answers an operator request (``mover status``, ``mover migrate``)."""
+        try:
+            if request.get("op") == "status":
+                reply = self._status()
+            elif request.get("op") == "migrate":
+                reply = self._start_migration(request)
+            else:
+                raise _Rejected(f"unknown request {request.get('op')!r}; valid: status, migrate")
+        except _Rejected as error:
+            reply = {"ok": False, "error": str(error)}
+            if request.get("op") == "migrate":
+                self.log.write("migration_rejected", "migrate", generation=self._generation,
+                               request=request.get("id"), reason=str(error))
+        self._store.set(request_reply_key(request["id"]), json.dumps(reply))
+
+    def _status(self) -> dict[str, Any]:
+        return {
+            "ok": True,
+            "policy": self.config.policy,
+            "generation": self._generation,
+            "attempt": self._attempt,
+            "world_size": self.config.world_size,
+            "training": self._layout() is not None,
+            "membership": {str(rank): {"process": process,
+                                       "node": self._node_of_rank.get(rank)}
+                           for rank, process in sorted(self._membership.members.items())},
+            "standbys": dict(self._pool.hosts),
+            "migrations": [] if self._migration is None else [{
+                "ranks": self._migration.ranks,
+                "standbys": [item.standby for item in self._migration.plan],
+                "state": self._migration_state(self._migration)}],
+            "recent_events": self.log.recent(RECENT_EVENTS),
+        }
+
+    def _migration_ranks(self, request: dict[str, Any]) -> list[int]:
+        world = self.config.world_size
+        if request.get("host") is not None:
+            host = request["host"]
+            nodes = [node for node in self.config.nodes if node.host == host]
+            if len(nodes) != 1:
+                hosts = ", ".join(sorted({node.host for node in self.config.nodes}))
+                raise _Rejected(f"host {host!r} is not one host of this job; hosts: {hosts}"
+                                if not nodes else f"host {host!r} runs several nodes of this "
+                                "job; move its ranks with --rank")
+            return sorted(r for r, n in self._node_of_rank.items() if n == nodes[0].node_rank)
+        ranks = request.get("ranks") or []
+        bad = [r for r in ranks if not isinstance(r, int) or not 0 <= r < world]
+        if bad or not ranks:
+            raise _Rejected(f"rank {bad[0] if bad else None} does not exist; "
+                            f"this job has ranks 0..{world - 1}")
+        return sorted(set(ranks))
+
+    def _start_migration(self, request: dict[str, Any]) -> dict[str, Any]:
+        if self.config.policy != "resilient":
+            raise _Rejected("the job runs with --policy restart; migration needs "
+                            "--policy resilient (and --resilient in the script)")
+        ranks = self._migration_ranks(request)
+        if self._migration is not None:
+            busy = sorted(set(ranks) & set(self._migration.ranks))
+            if busy:
+                raise _Rejected(f"rank(s) {busy} are already being moved; wait until that "
+                                "migration is done")
+            raise _Rejected(f"a migration of rank(s) {self._migration.ranks} is in progress; "
+                            "retry when it is done")
+        if self._interruption is not None or self._failed:
+            raise _Rejected("the job is recovering from an interruption; retry when it trains "
+                            "again")
+        if self._layout() is None:
+            raise _Rejected("the job has not started training yet; retry in a moment")
+        plan = plan_migration(ranks, self._pool, self._node_of_rank,
+                              leave_hosts=request.get("host") is not None)
+        if isinstance(plan, Fallback):
+            raise _Rejected(f"no free standby: {plan.reason}; start the job with more "
+                            "--standbys or wait for one to be ready")
+        self._begin_migration(request["id"], plan)
+        return {"ok": True, "ranks": ranks, "standbys": [item.standby for item in plan],
+                "generation": self._generation}
+
+    def _begin_migration(self, request_id: str, plan: list[Replacement]) -> None:
+        old = self._generation
+        now = time.time()
+        interruption = Interruption(kind="migration", rank=plan[0].rank, step=0, how="planned",
+                                    injected=False, attempt=self._attempt, recovery="standby",
+                                    generation=old + 1)
+        interruption.mark("requested", now)
+        self.summary.interruptions.append(interruption)
+        self._interruption = interruption
+        self._migration = _Migration(request_id, plan, old, interruption,
+                                     before=(self._membership, dict(self._node_of_rank)))
+        self._membership = self._membership.next_generation(plan)
+        self._begin_generation(old + 1)
+        record = {"generation": self._generation, "world_size": self.config.world_size,
+                  "kind": "migration", "replacements": [vars(item) for item in plan]}
+        self._store.set(plan_key(self._generation), json.dumps(record))
+        self._promote(plan, migration=True)
+        for item in plan:
+            self.log.write("migration_requested", "migrate", generation=self._generation,
+                           rank=item.rank, when=now, standby=item.standby, node=item.node)
+        logger.info("generation %d (migration): %s", self._generation,
+                    ", ".join(f"rank {i.rank} -> standby {i.standby}" for i in plan))
+
+    @staticmethod
+    def _migration_state(migration: _Migration) -> str:
+        if len(migration.prepared) < len(migration.plan):
+            return "phase 1: joiners getting ready"
+        if len(migration.handed_over) < len(migration.plan):
+            return "phase 2: switching at the next iteration boundary"
+        return "phase 2: waiting for the first step on the new processes"
+
+    def _on_prepared(self, event: dict[str, Any]) -> Optional[int]:
+        """A promoted standby is ready to join; with every joiner ready, the switch is due."""
+        migration = self._migration
+        if migration is None or event["generation"] != self._generation:
+            return None
+        migration.prepared.add(event["rank"])
+        self.log.write("joiner_prepared", "migrate", generation=self._generation,
+                       rank=event["rank"], when=event["time"])
+        if len(migration.prepared) == len(migration.plan):
+            migration.interruption.mark("prepared", event["time"])
+            self._notify(migration.old_generation, "switch")
+        return None
+
+    def _on_boundary(self, event: dict[str, Any]) -> Optional[int]:
+        """A rank of the old generation ended its last step there."""
+        migration = self._migration
+        if migration is None or event["generation"] != migration.old_generation:
+            return None
+        migration.boundary[event["rank"]] = (event["time"], event["step_s"])
+        self.log.write("boundary", "migrate", generation=event["generation"], rank=event["rank"],
+                       when=event["time"], iteration=event["iteration"])
+        if len(migration.boundary) == self.config.world_size:
+            last, step_s = max(migration.boundary.values())
+            migration.interruption.mark("boundary", last)
+            migration.interruption.step = event["iteration"]
+            migration.interruption.last_step_before = last
+            migration.interruption.step_time_before = step_s
+        return None
+
+    def _on_left(self, event: dict[str, Any]) -> Optional[int]:
+        """A leaving rank handed its state to its joiner."""
+        migration = self._migration
+        if migration is None:
+            return None
+        migration.handed_over.add(event["rank"])
+        self.log.write("handed_over", "migrate", generation=event["generation"],
+                       rank=event["rank"], when=event["time"], handover_s=event.get("handover_s"),
+                       transfer_s=event.get("transfer_s"))
+        if len(migration.handed_over) == len(migration.plan):
+            migration.interruption.mark("handed_over", event["time"])
+        return None
+
+    def _on_leaver_exit(self, event: dict[str, Any]) -> Optional[int]:
+        """A process that was handing its rank over exited: harmless once it has, a failure
+        of the rank before (or the end of training, if it finished its steps first)."""
+        migration = self._migration
+        if (migration is not None and event["rank"] in migration.ranks
+                and event["rank"] not in migration.handed_over):
+            if event["returncode"] != 0:
+                return self._on_failure(event)
+            if not migration.boundary:
+                self._cancel_migration(f"rank {event['rank']} finished training before the "
+                                       "switch")
+                return None
+        self.log.write("leaver_exit", "migrate", generation=self._generation, rank=event["rank"],
+                       when=event["time"], how=event["how"])
+        return None
+
+    def _cancel_migration(self, reason: str) -> None:
+        """Training ended before the switch: the joiners are stopped, the ranks stay."""
+        migration = self._migration
+        if migration is None:
+            return
+        for item in migration.plan:
+            self._commands.post({"op": "cancel_promotion", "standby": item.standby,
+                                 "rank": item.rank})
+        self._membership, self._node_of_rank = migration.before
+        if self._interruption is migration.interruption:
+            self._interruption = None
+        self.summary.interruptions.remove(migration.interruption)
+        self._end_migration(ok=False, error=f"cancelled: {reason}")
+
+    def _on_migration_due(self, event: dict[str, Any]) -> Optional[int]:
+        """An injected migration (``--inject-migration``) reached its step; it waits for an
+        interruption in progress to end."""
+        self._due_migrations.append({"op": "migrate", "ranks": [event["rank"]],
+                                     "id": f"injected-r{event['rank']}-s{event['step']}"})
+        self._start_due_migration()
+        return None
+
+    def _start_due_migration(self) -> None:
+        if self._due_migrations and self._interruption is None and not self._failed:
+            self._on_request(self._due_migrations.pop(0))
+
+    def _end_migration(self, *, ok: bool, error: Optional[str] = None) -> None:
+        migration, self._migration = self._migration, None
+        if migration is None:
+            return
+        item = migration.interruption
+        outcome: dict[str, Any] = {"ok": ok, "generation": self._generation}
+        if ok:
+            outcome["downtime_s"] = item.downtime_s
+            self._notify(migration.old_generation, "retire")
+        else:
+            outcome["error"] = error
+        self._store.set(request_done_key(migration.request_id), json.dumps(outcome))
+        self.log.write("migration_done" if ok else "migration_failed", "migrate",
+                       generation=self._generation, ranks=migration.ranks,
+                       downtime_s=outcome.get("downtime_s"), error=error)
+
     # restart policy and the first steps after any interruption
 
     def _on_stopped(self, event: dict[str, Any]) -> Optional[int]:
@@ -360,6 +652,14 @@ class Controller:
             self.log.write("resumed", "resume", generation=self._generation,
                            when=item.times["first_step_completed"], downtime_s=item.downtime_s)
             logger.info("training resumed; downtime %.3f s", item.downtime_s or 0.0)
+            if self._migration is not None and self._migration.interruption is item:
+                self._end_migration(ok=True)
+            self._start_due_migration()
+        return None
+
+    def _on_node_busy(self, event: dict[str, Any]) -> Optional[int]:
+        """A host whose ranks had all moved away got one again (a standby promoted there)."""
+        self._done.pop(event["node"], None)
         return None
 
     def _on_node_done(self, event: dict[str, Any]) -> Optional[int]:
@@ -367,7 +667,8 @@ class Controller:
         self._finished_workers.extend(event["workers"])
         if set(self._done) != self._nodes:
             return None
-        self.summary.steps_completed = min(self._done.values())
+        self.summary.steps_completed = min(
+            (steps for steps in self._done.values() if steps is not None), default=None)
         workers = self._finished_workers
         rss = [w["peak_rss_mb"] for w in workers if w["peak_rss_mb"] is not None]
         steps = [w["median_step_s"] for w in workers if w["median_step_s"] is not None]

@@ -3,10 +3,16 @@
 * ``gen/current`` — the current generation number;
 * ``gen{g}/...`` — generation ``g``'s namespace: its process groups rendezvous under it;
 * ``gen{g}/plan`` — how generation ``g`` was formed (JSON: replacements with their twins);
-* ``gen{g}/alarm`` — set when generation ``g`` is over: survivors leave the step they are in;
+* ``gen{g}/handover/{rank}/`` — the two-process group over which the process that hands
+  ``rank`` over (the leaver, or a data-parallel twin after a crash) sends its state to the
+  process that takes it;
 * ``standby/{id}/promote`` — the rank and generation a standby takes over (JSON);
 * ``job/layout`` — the parallel layout (JSON ``tp``, ``pp``, ``dp``) published by rank 0;
-* the ``commands`` and ``events`` mailboxes (``mover_plugin.launch.mailbox``).
+* the ``commands`` and ``events`` mailboxes (``mover_plugin.launch.mailbox``) — the commands
+  include the notices to a generation's processes, which the agents relay to their workers
+  (``mover_plugin.runtime.notices``) — and the
+  ``requests`` mailbox of operator requests (``mover status``, ``mover migrate``), answered
+  under ``request/{id}/reply`` (accepted or rejected) and ``request/{id}/done`` (finished).
 """
 
 CURRENT_GENERATION_KEY = "gen/current"
@@ -21,9 +27,20 @@ def plan_key(generation: int) -> str:
     return f"gen{generation}/plan"
 
 
-def alarm_key(generation: int) -> str:
-    return f"gen{generation}/alarm"
-
-
 def promotion_key(standby: str) -> str:
     return f"standby/{standby}/promote"
+
+
+def handover_prefix(generation: int, rank: int) -> str:
+    return f"gen{generation}/handover/{rank}/"
+
+
+REQUESTS_MAILBOX = "requests"
+
+
+def request_reply_key(request_id: str) -> str:
+    return f"request/{request_id}/reply"
+
+
+def request_done_key(request_id: str) -> str:
+    return f"request/{request_id}/done"

@@ -10,9 +10,13 @@ An interruption moves through phases, each stamped with wall-clock time:
   replacement included, runs in the new generation;
 * restart policy: ``stopped`` — every other worker was stopped; ``started`` — the new workers
   were started; ``recovered`` — every rank is ready to train again (checkpoint loaded);
+* planned migration: ``requested`` — the controller accepted the migration; ``prepared`` —
+  every joiner is ready (phase 1 done); ``boundary`` — every rank ended the iteration at which
+  they switch; ``handed_over`` — every leaver sent its state; ``switched``;
 * ``first_step_completed`` — every rank completed its first step after the interruption.
 
-``downtime_s`` is the time training stood still: the gap between the last step completed
+``phases_s`` are seconds after ``failed`` (``requested`` for a migration). ``downtime_s`` is
+the time training stood still: the gap between the last step completed
 before the failure and the first step completed after it, less one normal step time (the
 duration of that last step before the failure).
 """
@@ -24,18 +28,19 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
-PHASES = ("failed", "detected", "alarm", "left", "switched", "stopped", "started", "recovered",
-          "first_step_completed")
+PHASES = ("failed", "requested", "detected", "alarm", "left", "prepared", "boundary",
+          "handed_over", "switched", "stopped", "started", "recovered", "first_step_completed")
 
 
 @dataclass
 class Interruption:
     kind: str
     """``failure``: a worker died (crash, kill, or any non-zero exit); ``hang``: a worker
-    stopped sending heartbeats and was killed."""
+    stopped sending heartbeats and was killed; ``migration``: a planned move of ranks."""
     rank: int
     step: int
-    """The step the rank was running when it failed (1-based; 0 before the first step)."""
+    """The step the rank was running when it failed (1-based; 0 before the first step); for
+    a migration, the step at whose end the ranks switched."""
     how: str
     """The exit as the agent saw it, e.g. ``signal SIGKILL`` or ``exit code 1``."""
     injected: bool
@@ -61,7 +66,7 @@ class Interruption:
         return after - self.last_step_before - (self.step_time_before or 0.0)
 
     def to_dict(self) -> dict:
-        failed = self.times.get("failed")
+        origin = self.times.get("failed", self.times.get("requested"))
         return {
             "kind": self.kind,
             "rank": self.rank,
@@ -73,9 +78,9 @@ class Interruption:
             "recovery": self.recovery,
             "times": {p: self.times[p] for p in PHASES if p in self.times},
             "phases_s": {
-                p: round(self.times[p] - failed, 6)
+                p: round(self.times[p] - origin, 6)
                 for p in PHASES
-                if p in self.times and failed is not None
+                if p in self.times and origin is not None
             },
             "left_s": {str(r): round(t, 6) for r, t in sorted(self.left_s.items())},
             "downtime_s": None if self.downtime_s is None else round(self.downtime_s, 6),

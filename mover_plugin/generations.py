@@ -5,7 +5,8 @@ When a rank is lost the controller plans the next generation: a ready standby ta
 rank's global number (so every group that does not contain that rank keeps its members), and
 receives its state from a data-parallel *twin* of the same shard. When that is impossible (no
 standby left, or no twin because the data-parallel size is 1) the plan is a :class:`Fallback`
-to the restart baseline, with the reason for the event log.
+to the restart baseline, with the reason for the event log. A planned migration is the same
+replacement with the leaving rank as its own source of state (:func:`plan_migration`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,10 @@ class Replacement:
     """The lost global rank, taken over by the standby."""
     standby: str
     twin: int
-    """The live rank whose state (parameters, optimizer, RNG, iteration) the standby copies."""
+    """The live rank whose state (parameters, optimizer, RNG, iteration) the standby copies;
+    in a migration, the leaving rank itself."""
+    node: int = -1
+    """The node (host) of the standby, where the rank runs from now on."""
 
 
 @dataclass(frozen=True)
@@ -48,14 +52,20 @@ class StandbyPool:
     def __len__(self) -> int:
         return len(self.hosts)
 
-    def take(self, avoid_node: Optional[int] = None) -> Optional[str]:
-        """Removes and returns a standby, preferring one not on ``avoid_node``."""
-        if not self.hosts:
-            return None
+    def take(self, avoid_node: Optional[int] = None, *,
+             strict: bool = False) -> Optional[tuple[str, int]]:
+        """Removes and returns a standby and its node, preferring one not on ``avoid_node``
+        (``strict``: only such a one); None when there is none."""
         others = [s for s, node in self.hosts.items() if node != avoid_node]
-        chosen = (others or list(self.hosts))[0]
-        del self.hosts[chosen]
-        return chosen
+        candidates = others if strict else (others or list(self.hosts))
+        if not candidates:
+            return None
+        chosen = candidates[0]
+        return chosen, self.hosts.pop(chosen)
+
+    def count_off(self, nodes: set[int]) -> int:
+        """How many standbys are on none of ``nodes``."""
+        return sum(1 for node in self.hosts.values() if node not in nodes)
 
 
 @dataclass
@@ -91,6 +101,25 @@ def plan_recovery(
             reason = ("the data-parallel size is 1" if layout.dp == 1
                       else "every data-parallel twin was lost too")
             return Fallback(f"rank {rank} has no live data-parallel twin ({reason})")
-        avoid = (node_of_rank or {}).get(rank)
-        plan.append(Replacement(rank, pool.take(avoid_node=avoid), twins[0]))
+        standby, node = pool.take(avoid_node=(node_of_rank or {}).get(rank))
+        plan.append(Replacement(rank, standby, twins[0], node))
+    return plan
+
+
+def plan_migration(ranks: Sequence[int], pool: StandbyPool, node_of_rank: dict[int, int], *,
+                   leave_hosts: bool = False) -> Plan:
+    """Replacements moving ``ranks`` to standbys, each rank its own source of state, or the
+    reason it cannot be done. Standbys on another host than the rank's are preferred; with
+    ``leave_hosts`` (a host is being emptied) only those are used."""
+    leaving_nodes = {node_of_rank[rank] for rank in ranks}
+    usable = pool.count_off(leaving_nodes) if leave_hosts else len(pool)
+    if usable < len(set(ranks)):
+        where = (f" off node(s) {', '.join(str(n) for n in sorted(leaving_nodes))}"
+                 if leave_hosts else "")
+        return Fallback(f"{len(set(ranks))} rank(s) to move but {usable} standby(s) ready"
+                        f"{where}")
+    plan = []
+    for rank in sorted(set(ranks)):
+        standby, node = pool.take(avoid_node=node_of_rank[rank], strict=leave_hosts)
+        plan.append(Replacement(rank, standby, rank, node))
     return plan

@@ -20,3 +20,11 @@ def reference_tp2_pp2():
                       "--train-iters", "6")
     assert result.returncode == 0, result.output[-4000:]
     return result
+
+
+@pytest.fixture(scope="session")
+def reference_pp2_40():
+    """TP1 x PP2 x DP2, 40 steps, no interruption (long enough for several migrations)."""
+    result = pretrain("--pipeline-model-parallel-size", "2", "--train-iters", "40")
+    assert result.returncode == 0, result.output[-4000:]
+    return result

@@ -5,6 +5,7 @@ from mover_plugin.generations import (
     Membership,
     Replacement,
     StandbyPool,
+    plan_migration,
     plan_recovery,
 )
 from mover_plugin.layout import ParallelLayout
@@ -20,7 +21,7 @@ def pool_of(*items):
 def test_a_lost_rank_gets_a_standby_and_its_twin():
     layout = ParallelLayout.for_world(4, tp=1, pp=2)
     plan = plan_recovery([3], layout, pool_of(("s0", 0)))
-    assert plan == [Replacement(rank=3, standby="s0", twin=2)]
+    assert plan == [Replacement(rank=3, standby="s0", twin=2, node=0)]
 
 
 def test_standby_on_another_host_is_preferred():
@@ -60,3 +61,29 @@ def test_16k_ranks_two_failures_two_standbys():
     membership = Membership(0, {r: f"w{r}" for r in range(16384)}).next_generation(plan)
     assert membership.generation == 1
     assert membership.members[5] == "a" and membership.members[9000] == "b"
+
+
+def test_a_migration_moves_each_rank_to_a_standby_with_itself_as_source():
+    pool = pool_of(("a", 0), ("b", 1))
+    plan = plan_migration([3], pool, {0: 0, 1: 0, 2: 1, 3: 1})
+    assert plan == [Replacement(rank=3, standby="a", twin=3, node=0)]
+    assert list(pool.hosts) == ["b"]
+
+
+def test_a_single_rank_may_move_to_a_standby_on_its_own_host():
+    plan = plan_migration([2], pool_of(("a", 0)), {2: 0})
+    assert plan == [Replacement(rank=2, standby="a", twin=2, node=0)]
+
+
+def test_emptying_a_host_uses_only_standbys_elsewhere():
+    nodes = {0: 0, 1: 0, 2: 1, 3: 1}
+    pool = pool_of(("n1a", 1), ("n0a", 0), ("n0b", 0))
+    plan = plan_migration([2, 3], pool, nodes, leave_hosts=True)
+    assert [(r.rank, r.standby, r.node) for r in plan] == [(2, "n0a", 0), (3, "n0b", 0)]
+    refused = plan_migration([2, 3], pool_of(("n1a", 1), ("n0a", 0)), nodes, leave_hosts=True)
+    assert refused == Fallback("2 rank(s) to move but 1 standby(s) ready off node(s) 1")
+
+
+def test_no_standby_for_a_migration():
+    assert plan_migration([0], StandbyPool(), {0: 0}) == Fallback(
+        "1 rank(s) to move but 0 standby(s) ready")

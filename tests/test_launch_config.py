@@ -8,7 +8,7 @@ import pytest
 import torch.distributed as dist
 
 from mover_plugin.errors import ConfigError
-from mover_plugin.launch.config import parse_injection, parse_launch_args
+from mover_plugin.launch.config import MigrationInjection, parse_injection, parse_launch_args
 from mover_plugin.launch.hostfile import parse_hostfile
 from mover_plugin.launch.mailbox import Mailbox
 from mover_plugin.launch.summary import Interruption, RunSummary
@@ -57,6 +57,12 @@ def test_bad_hostfile_names_file_and_line(tmp_path, text, message):
         parse_hostfile(hostfile)
 
 
+def test_injected_migrations_reach_the_agent_of_their_rank():
+    config = parse("--nproc-per-node", "4", "--policy", "resilient", "--inject-migration", "1:3",
+                   "--inject-migration", "3:8", "t.py")
+    assert config.migrations == (MigrationInjection(1, 3), MigrationInjection(3, 8))
+
+
 def test_injection_forms():
     assert parse_injection("3:6") == parse_injection("3:6:SIGKILL")
     assert parse_injection("1:2:stop").signal == signal.SIGSTOP
@@ -74,6 +80,12 @@ def test_injection_forms():
         (["--nproc-per-node", "-2", "t.py"], "'-2' is not a positive integer"),
         (["--nnodes", "2", "--node-rank", "2", "t.py"], "--node-rank 2 does not exist"),
         (["--nnodes", "2", "--master-port", "0", "t.py"], "--master-port 0 (any free port)"),
+        (["--nproc-per-node", "4", "--policy", "resilient", "--inject-migration", "5:2", "t.py"],
+         "--inject-migration 5:2: rank 5 does not exist; the job has ranks 0..3"),
+        (["--nproc-per-node", "4", "--inject-migration", "1:2", "t.py"],
+         "--inject-migration 1:2 needs --policy resilient"),
+        (["--policy", "resilient", "--inject-migration", "1", "t.py"],
+         "'1' is not RANK:STEP with STEP >= 1"),
     ],
 )
 def test_bad_launcher_flags(argv, message):

@@ -13,14 +13,14 @@ in the same process. This package provides:
 - :mod:`~mover_plugin.comm.retired` — keeps abandoned communicators alive until their pending
   operations end, so that destroying a generation never blocks.
 
-The alarm is raised in a worker by ``mover_plugin.runtime.control.ControlClient.watch_alarm``
-when the controller sets the generation's alarm key.
+The alarm is raised in a worker by its ``mover_plugin.runtime.notices.NoticeWatcher`` when the
+controller's alarm notice for the worker's generation arrives (relayed by the host's agent).
 
 Typical use in a rank::
 
     register_backend()
     dist.init_process_group("mover", store=PrefixStore("gen0", store), rank=r, world_size=n)
-    control.watch_alarm(0, raise_alarm)      # a thread blocked on the store key
+    NoticeWatcher.from_env(0, raise_alarm, on_switch)   # a thread reading the notice pipe
     try:
         train_step()
     except CollectiveAborted:

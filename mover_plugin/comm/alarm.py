@@ -1,7 +1,7 @@
 """The process-wide alarm that makes every abortable collective give up.
 
-A controller (through a thread blocked on a store key, see ``ControlClient.watch_alarm``) or the runtime
-itself calls :func:`raise_alarm` when a peer is gone. From then on every process group of the
+A controller (through the notice a rank's ``NoticeWatcher`` thread reads) or the runtime itself
+calls :func:`raise_alarm` when a peer is gone. From then on every process group of the
 ``mover`` backend created before the alarm refuses new operations and every ``wait()`` on its
 work raises :class:`~mover_plugin.comm.errors.CollectiveAborted`.
 
@@ -12,7 +12,8 @@ the old generation stay aborted after :func:`clear_alarm`, while groups built af
 is already raised changes nothing (several detectors may report the same incident); call
 :func:`clear_alarm` once the next generation exists to re-arm it.
 
-Waiters block on one condition variable, so raising the alarm wakes them at once; listeners
+Waiters block on one condition variable, so raising the alarm wakes them at once, as does the
+completion of the work they wait for; listeners
 (e.g. NCCL communicator aborts) run synchronously in the raising thread.
 """
 
@@ -102,20 +103,24 @@ def wait_for_alarm(timeout_s: Optional[float] = None) -> bool:
 
 
 def wait_for_epoch_change(epoch: int, timeout_s: float) -> bool:
-    """Blocks up to ``timeout_s`` until the epoch differs from ``epoch``; returns whether it does.
+    """Blocks up to ``timeout_s`` until the epoch differs from ``epoch``; returns whether it does."""
+    return wait_until(lambda: False, epoch, timeout_s)
 
-    Used by abortable work to sleep between completion polls without missing an alarm.
+
+def wait_until(done: Callable[[], bool], epoch: int, timeout_s: float) -> bool:
+    """Blocks up to ``timeout_s`` until ``done()`` is true or the epoch differs from ``epoch``;
+    returns whether either is the case.
+
+    ``done`` is evaluated under the alarm's lock, so a completion that sets its flag and then
+    calls :func:`wake_waiters` cannot slip between the check and the sleep.
     """
     with _cond:
-        if _epoch != epoch:
-            return True
-        _cond.wait(timeout_s)
-        return _epoch != epoch
+        return _cond.wait_for(lambda: _epoch != epoch or done(), timeout_s)
 
 
 def wake_waiters() -> None:
-    """Wakes every thread sleeping in :func:`wait_for_epoch_change` so it re-checks its work
-    (used when one group is aborted on its own, without an alarm)."""
+    """Wakes every thread sleeping in :func:`wait_until` so it re-checks its work (called when
+    a backend work completes, and when one group is aborted on its own, without an alarm)."""
     with _cond:
         _cond.notify_all()
 

@@ -191,6 +191,12 @@ class MoverProcessGroup(dist.ProcessGroup):
         with self._lock:
             return sum(1 for item in self._inflight if not item.done())
 
+    @property
+    def usable(self) -> bool:
+        """Whether operations may run (and waits go on) here; :meth:`check_usable` says why not."""
+        return (self._abort_reason is None and alarm.current_epoch() == self._epoch
+                and not self._closed and self._failure is None)
+
     def check_usable(self, op: str) -> None:
         """Raises :class:`CollectiveAborted` if ``op`` must not run (or keep waiting) here."""
         if self._abort_reason is not None:
@@ -231,7 +237,7 @@ class MoverProcessGroup(dist.ProcessGroup):
 
     def _on_alarm(self, reason: str) -> None:
         """Aborts the NCCL communicator of an aborted group (gloo has nothing to abort: its
-        waits are left by polling)."""
+        waiters are woken by the alarm and leave)."""
         if not self.aborted:
             return  # created after the alarm: belongs to the next generation
         nccl = self._nccl

@@ -6,17 +6,18 @@ Python functions of ``torch.distributed`` issue the operation and then call ``wo
 themselves, so a synchronous ``dist.all_reduce(t)`` blocks here, in Python, where the alarm
 can reach it.
 
-How completion is observed depends on the backend's work:
+How completion is observed depends on the backend's work (a waiter never polls: it sleeps on
+the alarm's condition variable and is woken by the completion, by the alarm, or by its group
+being aborted; it re-checks its group every 50 ms all the same):
 
-- gloo collectives (its ``AsyncWork``: they have a future) report ``is_completed()`` as soon as
-  their worker thread is done, so ``wait()`` polls it, sleeping between polls on the alarm's
-  condition variable: the sleep grows from 50 µs to 1 ms, and an alarm ends it at once;
+- gloo collectives (its ``AsyncWork``: they have a future) complete their future in gloo's
+  worker thread, and a callback on that future wakes the waiter;
 - gloo's send/recv and reduce-scatter works only complete inside their own ``wait()``, so a
   small pool of daemon threads calls that ``wait()`` for them and wakes the waiter when it
   returns; an abandoned one keeps its pool thread until the backend gives up (peer gone or the
   group timeout);
-- NCCL works (CUDA) are not polled: their ``wait()`` only orders the current stream after the
-  collective, as NCCL's own does, and a stuck kernel is ended by aborting the communicator
+- NCCL works (CUDA) are not waited for: their ``wait()`` only orders the current stream after
+  the collective, as NCCL's own does, and a stuck kernel is ended by aborting the communicator
   when the alarm is raised.
 """
 
@@ -36,8 +37,8 @@ from mover_plugin.comm import alarm
 if TYPE_CHECKING:
     from mover_plugin.comm.process_group import MoverProcessGroup
 
-_FIRST_POLL_S = 50e-6
-_MAX_POLL_S = 1e-3
+_RECHECK_S = 0.05
+"""How often a waiter re-checks its group even when nothing woke it."""
 
 
 class _WaiterPool:
@@ -79,8 +80,9 @@ class _WaiterPool:
 _pool = _WaiterPool()
 
 
-class _Pending:
-    """One backend work, observed through ``done()`` and finished by ``finish()``."""
+class _Observed:
+    """One backend work, observed through ``done()`` and finished by ``finish()``; this base
+    asks the work itself (used for stream-ordered NCCL works)."""
 
     def __init__(self, work: dist.Work) -> None:
         self.work = work
@@ -96,7 +98,24 @@ class _Pending:
         return self.work.exception() if self.done() else None
 
 
-class _Watched(_Pending):
+class _Notifying(_Observed):
+    """A backend work with a future: the future's callback records the completion and wakes
+    the waiters."""
+
+    def __init__(self, work: dist.Work, future: torch.futures.Future) -> None:
+        super().__init__(work)
+        self._done = False
+        future.add_done_callback(self._completed)
+
+    def _completed(self, _future: torch.futures.Future) -> None:
+        self._done = True
+        alarm.wake_waiters()
+
+    def done(self) -> bool:
+        return self._done
+
+
+class _Watched(_Observed):
     """A backend work whose completion is only visible to its own ``wait()``: a pool thread
     makes that call and records how it ended."""
 
@@ -125,17 +144,17 @@ class _Watched(_Pending):
         return self._error
 
 
-def observe(work: dist.Work, *, stream_ordered: bool, point_to_point: bool = False) -> _Pending:
+def observe(work: dist.Work, *, stream_ordered: bool, point_to_point: bool = False) -> _Observed:
     """Wraps a backend work in the observer that suits it (see the module docstring)."""
     if stream_ordered:
-        return _Pending(work)
+        return _Observed(work)
     if point_to_point:
         return _Watched(work)
     try:
-        work.get_future()
-    except RuntimeError:  # gloo's SendWork/RecvWork and reduce-scatter: no future, no polling
+        future = work.get_future()
+    except RuntimeError:  # gloo's SendWork/RecvWork and reduce-scatter: no future
         return _Watched(work)
-    return _Pending(work)
+    return _Notifying(work, future)
 
 
 class AbortableWork(dist.Work):
@@ -148,7 +167,7 @@ class AbortableWork(dist.Work):
     work failed, after which the group refuses further operations.
     """
 
-    def __init__(self, group: "MoverProcessGroup", pending: Sequence[_Pending], op: str,
+    def __init__(self, group: "MoverProcessGroup", pending: Sequence[_Observed], op: str,
                  *, stream_ordered: bool) -> None:
         super().__init__()
         self._group = group
@@ -234,7 +253,7 @@ class AbortableWork(dist.Work):
                 for item in self._pending:
                     item.finish()
             else:
-                self._wait_polling(deadline)
+                self._wait_for_completion(deadline)
         except TimeoutError:
             raise  # only this wait gave up: the operation may still be waited for
         except BaseException as error:
@@ -244,21 +263,19 @@ class AbortableWork(dist.Work):
         self._succeeded = True
         return True
 
-    def _wait_polling(self, deadline: Optional[float]) -> None:
-        delay = _FIRST_POLL_S
-        epoch = self._group.epoch
+    def _wait_for_completion(self, deadline: Optional[float]) -> None:
+        group = self._group
         for item in self._pending:
             while not item.done():
-                self._group.check_usable(self._op)
-                sleep = delay
+                group.check_usable(self._op)
+                sleep = _RECHECK_S
                 if deadline is not None:
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
-                        raise TimeoutError(f"{self._op} on group {self._group.group_name!r} "
+                        raise TimeoutError(f"{self._op} on group {group.group_name!r} "
                                            "did not complete within the wait timeout")
                     sleep = min(sleep, remaining)
-                alarm.wait_for_epoch_change(epoch, sleep)
-                delay = min(delay * 2, _MAX_POLL_S)
+                alarm.wait_until(lambda: item.done() or not group.usable, group.epoch, sleep)
             item.finish()
 
     def get_future(self) -> torch.futures.Future:

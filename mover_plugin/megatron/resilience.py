@@ -10,6 +10,13 @@ saved at its start. A standby process, started and warmed up beforehand, takes t
 rank: it builds the model with its collectives kept local, receives parameters, optimizer and
 scheduler state, RNG states and the iteration from a data-parallel twin, and joins the loop.
 
+**Planned migration.** When an operator moves a rank (``mover migrate``), a standby is
+promoted to the rank while training goes on, and the controller then posts a *switch* notice.
+Each rank carries "I saw it" in the commit all-reduce, so all of them learn in the same
+iteration that the switch is due, finish that iteration, and switch at its end: the stayers
+rebuild their groups with the joiner in the leaver's place, and the leaver sends its own state
+to the joiner (:mod:`mover_plugin.runtime.handover`) and exits with status 0.
+
 **The commit rule.** The optimizer update of an iteration is applied only after a WORLD
 all-reduce that every rank enters with complete, reduced and clipped gradients. If any rank
 passed that all-reduce, every rank had reached it, so a survivor that had not yet applied the
@@ -24,10 +31,11 @@ controller falls back to the restart baseline); groups are rebuilt in full at ea
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import logging
 import os
-import threading
+import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -48,7 +56,9 @@ from mover_plugin.layout import ParallelLayout
 from mover_plugin.megatron.checkpoint import capture_rng_state, restore_rng_state
 from mover_plugin.progress import ProgressReporter
 from mover_plugin.runtime.control import ControlClient
+from mover_plugin.runtime.handover import open_handover, receive_state, send_state
 from mover_plugin.runtime.heartbeat import Heartbeat
+from mover_plugin.runtime.notices import NoticeWatcher
 from mover_plugin.runtime.rewire import rewire
 
 logger = logging.getLogger(__name__)
@@ -99,7 +109,11 @@ class MegatronResilience:
         """The optimizer's own update, without the commit gate (set by :meth:`attach`)."""
         self._heartbeat = Heartbeat(progress, self.settings.heartbeat_interval_s,
                                     self.settings.failure_timeout_s)
-        self._alarm_watch: Optional[threading.Thread] = None
+        self._watch: Optional[NoticeWatcher] = None
+        self._switch_requested = False
+        """Set by the notice watcher when the controller asks for a planned switch."""
+        self._switch_agreed = False
+        """Set when the commit all-reduce showed that some rank saw the switch request."""
 
     # -- start-up -------------------------------------------------------------------------
 
@@ -126,6 +140,7 @@ class MegatronResilience:
         plan = self.control.wait_for_plan(self.generation)
         self.joiner_of = next(r for r in plan["replacements"] if r["rank"] == self.rank)
         os.environ["RANK"] = str(self.rank)
+        self.control.post("prepared", rank=self.rank, standby=self.control.standby_id)
         logger.warning("standby %s promoted to rank %d in generation %d",
                        self.control.standby_id, self.rank, self.generation)
 
@@ -134,6 +149,11 @@ class MegatronResilience:
         generation, with abortable groups."""
         self._parallel_kwargs = dict(parallel_kwargs)
         self.progress.generation = self.generation
+        self._watch = NoticeWatcher.from_env(self.generation, raise_alarm,
+                                             self._on_switch_notice)
+        if self._watch is None:
+            raise LaunchError("--resilient needs the job to run under 'mover-launch' (no notice "
+                              "pipe from its agent)")
         self._init_groups()
         if self.rank == 0 and self.joiner_of is None:
             tp = parallel_kwargs["tensor_model_parallel_size"]
@@ -147,7 +167,9 @@ class MegatronResilience:
         dist.init_process_group(BACKEND_NAME, store=self.control.generation_store(self.generation),
                                 rank=self.rank, world_size=self.world_size, timeout=timeout)
         parallel_state.initialize_model_parallel(**self._parallel_kwargs)
-        self._alarm_watch = self.control.watch_alarm(self.generation, raise_alarm)
+
+    def _on_switch_notice(self) -> None:
+        self._switch_requested = True
 
     @contextlib.contextmanager
     def building(self) -> Iterator[None]:
@@ -181,15 +203,19 @@ class MegatronResilience:
             self._applied = load()
             return self._applied
         started = time.time()
-        target = self._agree_on_iteration()
+        target = self._agree_on_iteration(contribute=False)
         self._receive_state()
         self.control.post("switched", rank=self.rank, role="joiner", time=time.time(),
                           build_s=time.time() - started)
         return target
 
     def finish(self) -> None:
-        """Training is over: the agent stops watching this process's heartbeats."""
+        """Training is over: the agent stops watching this process's heartbeats, and this
+        process stops following the controller's notices."""
         self._heartbeat.stop()
+        if self._watch is not None:
+            self._watch.stop()
+            self._watch = None
 
     # -- the step -------------------------------------------------------------------------
 
@@ -199,12 +225,16 @@ class MegatronResilience:
         Returns the step's result (None when the iteration was completed during a switch)
         and the number of iterations completed.
         """
+        self.progress.generation = self.generation  # deferred after a planned switch
         snapshot = capture_rng_state()
+        started = time.time()
         while True:
             self._step = _StepState(iteration)
             try:
                 result = step(iteration)
                 self._step = None
+                if self._switch_agreed:
+                    self._planned_switch(time.time() - started)
                 return result, iteration + 1
             except Exception as error:  # noqa: BLE001 - filtered just below
                 if not is_peer_failure(error):
@@ -219,8 +249,11 @@ class MegatronResilience:
         """The WORLD all-reduce every rank enters only with complete gradients."""
         assert self._step is not None, "the optimizer was stepped outside run_step"
         self._step.reached_commit = True
-        dist.all_reduce(torch.ones(1))
+        votes = torch.tensor([1.0, 1.0 if self._switch_requested else 0.0])
+        dist.all_reduce(votes)
         self._step.passed_commit = True
+        if votes[1] > 0:
+            self._switch_agreed = True  # every rank switches at the end of this iteration
 
     def _leave_step(self, error: BaseException) -> None:
         cause = "alarm" if isinstance(error, CollectiveAborted) else "peer error"
@@ -232,27 +265,13 @@ class MegatronResilience:
     # -- generation switch (survivors) ----------------------------------------------------
 
     def _switch_generation(self, snapshot: dict[str, Any]) -> int:
-        from megatron.core import parallel_state
-
+        """A survivor's switch after a lost rank; returns the iteration all ranks are at."""
         started = time.time()
-        old_groups = _megatron_groups()
-        self.generation += 1
-        self.control.generation = self.generation
+        self._advance_generation()
         plan = self.control.wait_for_plan(self.generation)
-        # The controller sets the old generation's alarm right after the plan; once its watcher
-        # has raised it, clearing the alarm cannot be undone by a late raise.
-        if self._alarm_watch is not None:
-            self._alarm_watch.join(timeout=self.settings.collective_timeout_s)
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
-        clear_alarm()
-        self._init_groups()
+        replaced = self._rebuild_groups()
         self.progress.generation = self.generation
-        new_groups = _megatron_groups()
-        replaced = rewire([self._model, self._optimizer, self._scheduler],
-                          {id(old_groups[name]): group for name, group in new_groups.items()
-                           if name in old_groups})
-        target = self._agree_on_iteration()
+        target = self._agree_on_iteration(contribute=True)
         self._settle_iteration(target, snapshot)
         for item in plan["replacements"]:
             if item["twin"] == self.rank:
@@ -261,13 +280,74 @@ class MegatronResilience:
                           switch_s=time.time() - started, references=replaced)
         return target
 
-    def _agree_on_iteration(self) -> int:
+    def _planned_switch(self, step_s: float) -> None:
+        """At the end of the iteration every rank agreed on: the leaver hands its rank over
+        and exits; the others move to the next generation with the joiner in its place."""
+        started = time.time()
+        self.control.post("boundary", rank=self.rank, iteration=self._applied, time=started,
+                          step_s=step_s)
+        plan = self.control.wait_for_plan(self.generation + 1)
+        if any(item["rank"] == self.rank for item in plan["replacements"]):
+            self._hand_over(plan["generation"])
+        self._advance_generation()
+        # The step that just ended is reported in the old generation; the next one in this.
+        replaced = self._rebuild_groups()
+        self._agree_on_iteration(contribute=True)
+        self.control.post("switched", rank=self.rank, role="stayer", time=time.time(),
+                          switch_s=time.time() - started, references=replaced)
+
+    def _advance_generation(self) -> None:
+        self.generation += 1
+        self.control.generation = self.generation
+        # An alarm of the old generation read from now on is ignored, and one being acted on
+        # is done before the alarm is cleared for the new generation's groups.
+        self._watch.follow(self.generation)
+        self._switch_requested = self._switch_agreed = False
+
+    def _rebuild_groups(self) -> int:
+        """Replaces every process group by this generation's; returns how many cached
+        references to the old ones were rewritten."""
+        from megatron.core import parallel_state
+
+        old_groups = _megatron_groups()
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+        clear_alarm()
+        self._init_groups()
+        new_groups = _megatron_groups()
+        return rewire([self._model, self._optimizer, self._scheduler],
+                      {id(old_groups[name]): group for name, group in new_groups.items()
+                       if name in old_groups})
+
+    def _hand_over(self, generation: int) -> None:
+        """The leaver's end: its state goes to the joiner, then the process exits."""
+        from megatron.core import parallel_state
+
+        started = time.time()
+        group = open_handover(self.control.store, generation, self.rank, source=True,
+                              timeout=timedelta(seconds=self.settings.collective_timeout_s))
+        opened = time.time()
+        send_state(group, self._state_tensors(), self._state_blob(self._applied))
+        group.shutdown()
+        self.control.post("left", rank=self.rank, role="leaver", time=time.time(),
+                          handover_s=time.time() - started, transfer_s=time.time() - opened)
+        logger.warning("rank %d handed over to its replacement in generation %d; exiting",
+                       self.rank, generation)
+        self.finish()
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+        _exit_now()
+
+    def _agree_on_iteration(self, *, contribute: bool) -> int:
         """All ranks of the new generation learn the iteration everyone will be at.
 
-        A survivor (interrupted inside ``run_step``) contributes its commit record; a joiner,
-        which has none, contributes nothing."""
+        A rank of the previous generation contributes its commit record (a survivor
+        interrupted inside ``run_step``, or a stayer at a planned boundary); a joiner, which
+        has none, contributes nothing."""
         step = self._step
-        mine = None if step is None else {"applied": self._applied, "passed": step.passed_commit}
+        mine = None
+        if contribute:
+            mine = {"applied": self._applied, "passed": step is not None and step.passed_commit}
         records: list[Any] = [None] * self.world_size
         dist.all_gather_object(records, mine)
         return max(r["applied"] + (1 if r["passed"] else 0) for r in records if r is not None)
@@ -291,31 +371,41 @@ class MegatronResilience:
 
     # -- state transfer -------------------------------------------------------------------
 
-    def _pair_group(self, twin: int, joiner: int) -> dist.ProcessGroup:
-        return dist.new_group(sorted((twin, joiner)), use_local_synchronization=True)
+    def _state_tensors(self) -> list[torch.Tensor]:
+        return [tensor.data for _, tensor in
+                sorted(self._model.module.state_dict(keep_vars=True).items())
+                if isinstance(tensor, torch.Tensor)]
+
+    def _state_blob(self, iteration: int) -> dict[str, Any]:
+        return {"optimizer": self._optimizer.state_dict(),
+                "scheduler": self._scheduler.state_dict(),
+                "rng": capture_rng_state(), "iteration": iteration}
 
     def _send_state(self, joiner: int, target: int) -> None:
-        group = self._pair_group(self.rank, joiner)
-        for _, tensor in sorted(self._model.module.state_dict(keep_vars=True).items()):
-            if isinstance(tensor, torch.Tensor):
-                dist.broadcast(tensor.data, src=self.rank, group=group)
-        state = [{"optimizer": self._optimizer.state_dict(),
-                  "scheduler": self._scheduler.state_dict(),
-                  "rng": capture_rng_state(), "iteration": target}]
-        dist.broadcast_object_list(state, src=self.rank, group=group)
+        group = open_handover(self.control.store, self.generation, joiner, source=True,
+                              timeout=timedelta(seconds=self.settings.collective_timeout_s))
+        send_state(group, self._state_tensors(), self._state_blob(target))
+        group.shutdown()
 
     def _receive_state(self) -> None:
-        twin = self.joiner_of["twin"]
-        group = self._pair_group(twin, self.rank)
-        for _, tensor in sorted(self._model.module.state_dict(keep_vars=True).items()):
-            if isinstance(tensor, torch.Tensor):
-                dist.broadcast(tensor.data, src=twin, group=group)
-        state: list[Any] = [None]
-        dist.broadcast_object_list(state, src=twin, group=group)
-        self._optimizer.load_state_dict(state[0]["optimizer"])
-        self._scheduler.load_state_dict(state[0]["scheduler"])
-        restore_rng_state(state[0]["rng"])
-        self._applied = state[0]["iteration"]
+        group = open_handover(self.control.store, self.generation, self.rank, source=False,
+                              timeout=timedelta(seconds=self.settings.collective_timeout_s))
+        state = receive_state(group, self._state_tensors())
+        group.shutdown()
+        self._optimizer.load_state_dict(state["optimizer"])
+        self._scheduler.load_state_dict(state["scheduler"])
+        restore_rng_state(state["rng"])
+        self._applied = state["iteration"]
+
+
+def _exit_now() -> None:
+    """Ends a leaver's process: its state lives on in the joiner. ``atexit`` callbacks run and
+    output is flushed, but the interpreter's teardown is skipped: for a training process it
+    takes seconds of CPU that the ranks still training on this host can use better."""
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _megatron_groups() -> dict[str, Any]:

@@ -11,10 +11,9 @@ from __future__ import annotations
 import json
 import logging
 import os
-import threading
 import time
 from datetime import timedelta
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch.distributed as dist
 
@@ -22,7 +21,6 @@ from mover_plugin.errors import LaunchError
 from mover_plugin.launch.mailbox import Mailbox
 from mover_plugin.launch.protocol import (
     LAYOUT_KEY,
-    alarm_key,
     generation_prefix,
     plan_key,
     promotion_key,
@@ -85,26 +83,3 @@ class ControlClient:
             except dist.DistStoreError as error:  # the chunk timed out; wait again
                 if "timeout" not in str(error).lower():
                     raise
-
-    def watch_alarm(self, generation: int, on_alarm: Callable[[str], None]) -> threading.Thread:
-        """Calls ``on_alarm(reason)`` from a thread when generation ``generation`` ends."""
-        store = self._connect()  # this thread's own connection
-
-        def watch() -> None:
-            key = alarm_key(generation)
-            while True:
-                try:
-                    store.wait([key], _WAIT_CHUNK)
-                except dist.DistStoreError as error:
-                    if "timeout" in str(error).lower():
-                        continue
-                    return  # the controller is gone: the job is ending
-                except Exception:  # noqa: BLE001 - a dying store connection, same meaning
-                    return
-                on_alarm(json.loads(store.get(key))["reason"])
-                return
-
-        thread = threading.Thread(target=watch, name=f"mover-alarm-gen{generation}",
-                                  daemon=True)
-        thread.start()
-        return thread

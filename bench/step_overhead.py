@@ -1,0 +1,87 @@
+#!/usr/bin/env python
+"""Benchmark: steady step time and peak RSS of a worker with ``--resilient`` on vs off.
+
+The same failure-free Megatron-Core job (examples/pretrain_gpt.py, TP1 x PP2 x DP2 on 4 CPU
+processes) runs with ``--policy resilient --standbys 1 ... --resilient`` and with
+``--policy restart``, alternating, ``--repeats`` times each. Each run's step time is the
+median over its workers of each worker's median step duration (the launcher's summary), so
+start-up and the first steps' warm-up do not count. Printed, from this one run: every run's
+figure, the median per mode, and the ratios (goal: <= 1 % more of each).
+
+Run-to-run noise on a shared 2-core machine is several percent, so use enough repeats and
+steps (the defaults take about 6 minutes here) and read the spread before the ratio.
+
+Usage::
+
+    python bench/step_overhead.py --repeats 5 --train-iters 40
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from mover_plugin.testing import run_command
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = str(ROOT / "examples" / "pretrain_gpt.py")
+MODEL = ["--pipeline-model-parallel-size", "2", "--num-layers", "4", "--hidden-size", "64",
+         "--num-attention-heads", "4", "--seq-length", "64", "--micro-batch-size", "2",
+         "--global-batch-size", "8"]
+
+
+def run_job(folder: Path, resilient: bool, train_iters: int) -> dict:
+    summary_path = folder / "summary.json"
+    launcher = [sys.executable, "-m", "mover_plugin.launch.cli", "--standalone",
+                "--nproc-per-node", "4", "--summary", str(summary_path)]
+    script = [EXAMPLE, *MODEL, "--train-iters", str(train_iters)]
+    if resilient:
+        launcher += ["--policy", "resilient", "--standbys", "1"]
+        script += ["--resilient"]
+    else:
+        launcher += ["--policy", "restart"]
+    result = run_command([*launcher, *script], timeout_s=600)
+    if result.returncode != 0:
+        raise SystemExit(f"run failed (resilient={resilient}):\n{result.output[-3000:]}")
+    summary = json.loads(summary_path.read_text())
+    summary["digest"] = result.lines_starting("PARAMS_DIGEST")[0].split()[1]
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--train-iters", type=int, default=40)
+    args = parser.parse_args()
+    if args.repeats < 1 or args.train_iters < 5:
+        raise SystemExit("--repeats must be >= 1 and --train-iters >= 5")
+    runs: dict[bool, list[dict]] = {False: [], True: []}
+    with tempfile.TemporaryDirectory(prefix="mover-bench-") as tmp:
+        for repeat in range(args.repeats):
+            for resilient in (False, True):
+                folder = Path(tmp) / f"{'on' if resilient else 'off'}-{repeat}"
+                folder.mkdir()
+                summary = run_job(folder, resilient, args.train_iters)
+                runs[resilient].append(summary)
+                print(f"--resilient {'on ' if resilient else 'off'} run {repeat}: step "
+                      f"{summary['median_step_time_s']:.4f} s, peak RSS "
+                      f"{summary['worker_peak_rss_mb']:.1f} MB", flush=True)
+    digests = {s["digest"] for group in runs.values() for s in group}
+    if len(digests) != 1:
+        raise SystemExit(f"PARAMS_DIGEST differs between runs: {sorted(digests)}")
+    print(f"all {2 * args.repeats} runs end with the same PARAMS_DIGEST")
+    for field, label in (("median_step_time_s", "STEP_TIME"), ("worker_peak_rss_mb", "PEAK_RSS")):
+        off = [s[field] for s in runs[False]]
+        on = [s[field] for s in runs[True]]
+        ratio = statistics.median(on) / statistics.median(off)
+        print(f"{label} off median {statistics.median(off):.4f} (min {min(off):.4f}, "
+              f"max {max(off):.4f}); on median {statistics.median(on):.4f} (min {min(on):.4f}, "
+              f"max {max(on):.4f}); on/off {ratio:.4f} ({100 * (ratio - 1):+.1f} %, goal <= +1 %)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,198 @@
+"""Planned migration: examples/pretrain_gpt.py --resilient under mover-launch --policy
+resilient, with ranks moved to standbys while the job trains — by the launcher
+(``--inject-migration``) and by an operator with the ``mover`` command.
+
+Every run must complete every step with the PARAMS_DIGEST of the run without migration, with
+no restart: the only new processes are the standbys, each leaver exits with status 0 after
+handing its state over, and the event log tells the story.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from gpt_jobs import EXAMPLE, LAUNCH, MODEL, digest, read_events
+from mover_plugin.errors import ConfigError
+from mover_plugin.launch.jobctl import JobClient, RequestRejected
+from mover_plugin.testing import run_command
+
+pytest.importorskip("megatron.core")
+
+MOVER = [sys.executable, "-m", "mover_plugin.launch.jobctl"]
+PP2 = ["--pipeline-model-parallel-size", "2", "--resilient"]
+
+
+def test_each_of_the_four_ranks_migrates_with_the_exact_result(tmp_path, reference_pp2_40):
+    """One run, four migrations: each is requested when its rank begins the step named, and
+    waits for the previous one to be done."""
+    summary_path, events_path = tmp_path / "summary.json", tmp_path / "events.jsonl"
+    launcher = ["--policy", "resilient", "--standbys", "4", "--summary", str(summary_path),
+                "--event-log", str(events_path), "--stop-grace-s", "2"]
+    for rank, step in ((0, 2), (1, 4), (2, 6), (3, 8)):
+        launcher += ["--inject-migration", f"{rank}:{step}"]
+    result = run_command([*LAUNCH, "--standalone", "--nproc-per-node", "4", *launcher, EXAMPLE,
+                          *MODEL, *PP2, "--train-iters", "40"], timeout_s=400)
+    assert result.returncode == 0, result.output[-5000:]
+    assert digest(result) == digest(reference_pp2_40)
+    summary, events = json.loads(summary_path.read_text()), read_events(events_path)
+    assert summary["steps_completed"] == 40 and summary["restarts"] == 0
+    migrations = summary["interruptions"]
+    assert [(m["kind"], m["rank"], m["recovery"]) for m in migrations] == [
+        ("migration", rank, "standby") for rank in range(4)]
+    for item in migrations:
+        assert item["downtime_s"] is not None and item["downtime_s"] > 0
+        assert list(item["phases_s"]) == ["requested", "prepared", "boundary", "handed_over",
+                                          "switched", "first_step_completed"]
+    story = [(e["event"], e["rank"] if e["rank"] is not None else e.get("ranks"))
+             for e in events if e["event"] in ("migration_requested", "joiner_prepared",
+                                               "handed_over", "migration_done")]
+    assert story == [step for rank in range(4) for step in (
+        ("migration_requested", rank), ("joiner_prepared", rank), ("handed_over", rank),
+        ("migration_done", [rank]))]
+    for rank, item in enumerate(migrations):
+        switched = {e["rank"]: e["role"] for e in events
+                    if e["event"] == "switched" and e["generation"] == item["generation"]}
+        assert switched == {r: "joiner" if r == rank else "stayer" for r in range(4)}
+    leavers = [e for e in events if e["event"] == "leaver_exit"]
+    assert sorted(e["rank"] for e in leavers) == [0, 1, 2, 3]
+    assert {e["how"] for e in leavers} == {"exit code 0"}
+    assert not [e for e in events if e["event"] in ("worker_failed", "fallback", "restart")]
+
+
+def _mover(*args: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([*MOVER, *args], capture_output=True, text=True, timeout=120, env=env)
+
+
+def _mover_started(*args: str, env: dict) -> subprocess.Popen:
+    return subprocess.Popen([*MOVER, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+
+
+def _wait_until_trained_with_standbys(client: JobClient, count: int,
+                                      job: subprocess.Popen) -> dict:
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        assert job.poll() is None, "the job ended early"
+        status = client.status()
+        if status["training"] and len(status["standbys"]) == count:
+            return status
+        time.sleep(0.2)
+    raise AssertionError("the job did not start training with its standbys in time")
+
+
+def _wait_for_migration_done(events_path: Path, job: subprocess.Popen) -> dict:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        assert job.poll() is None, "the job ended before the migration was done"
+        if events_path.exists():
+            for event in read_events(events_path):
+                assert event["event"] != "migration_failed", event
+                if event["event"] == "migration_done":
+                    return event
+        time.sleep(0.2)
+    raise AssertionError("the migration did not finish in time")
+
+
+def test_operator_moves_a_host_and_bad_requests_leave_the_job_untouched(tmp_path, monkeypatch,
+                                                                         reference_pp2_40):
+    """Two "hosts" (two agents on this machine, as a hostfile of two machines gives), two
+    standbys each. The operator moves every rank of the second host (``--host``); requests
+    that cannot be carried out are refused with one line each and change nothing; the result
+    equals a run without migration."""
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("localhost slots=2\n127.0.0.1 slots=2\n")
+    monkeypatch.setenv("MOVER_JOBS_DIR", str(tmp_path / "jobs"))
+    env = dict(os.environ)
+    events_path = tmp_path / "events.jsonl"
+    script = [EXAMPLE, *MODEL, "--pipeline-model-parallel-size", "2", "--train-iters", "40"]
+
+    no_job = _mover("status", env=env)
+    assert no_job.returncode == 2 and "no mover-launch job is running" in no_job.stderr
+    log = tmp_path / "job.log"
+    with open(log, "w") as sink:
+        job = subprocess.Popen(
+            [*LAUNCH, "--hostfile", str(hostfile), "--master-port", "0", "--policy",
+             "resilient", "--standbys", "2", "--event-log", str(events_path), "--stop-grace-s",
+             "2", *script, "--resilient"],
+            stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    commands: list[subprocess.Popen] = []
+    try:
+        client = _connect(job)
+        status = _wait_until_trained_with_standbys(client, 4, job)
+        # The command line, started now, while the job is sure to train for a while yet.
+        cli_status = _mover_started("status", env=env)
+        cli_bad_rank = _mover_started("migrate", "--rank", "7", env=env)
+        commands += [cli_status, cli_bad_rank]
+        assert status["policy"] == "resilient" and status["world_size"] == 4
+        assert _nodes(status) == {0: 0, 1: 0, 2: 1, 3: 1}
+
+        with pytest.raises(RequestRejected, match=r"rank 7 does not exist; .*ranks 0\.\.3"):
+            client.migrate([7])
+        with pytest.raises(RequestRejected, match="host 'node-x' is not one host"):
+            client.migrate(host="node-x")
+        accepted = client.migrate(host="127.0.0.1", wait=False)
+        assert accepted["ranks"] == [2, 3]
+        with pytest.raises(RequestRejected, match=r"rank\(s\) \[3\] are already being moved"):
+            client.migrate([3])
+
+        done = _wait_for_migration_done(events_path, job)
+        assert done["ranks"] == [2, 3]
+        status = client.status()
+        assert _nodes(status) == {0: 0, 1: 0, 2: 0, 3: 0}
+        assert set(status["standbys"].values()) == {1}  # node 0's two were used
+        with pytest.raises(RequestRejected, match="no free standby"):
+            client.migrate(host="localhost")
+
+        out, err = cli_status.communicate(timeout=120)
+        assert cli_status.returncode == 0, err
+        # Printed before or after the move, depending on how fast the command started.
+        assert out.startswith("job: policy resilient, generation ")
+        assert re.search(r"^  rank 3: \S+ on node [01]$", out, re.MULTILINE), out
+        out, err = cli_bad_rank.communicate(timeout=120)
+        assert cli_bad_rank.returncode == 1
+        assert err.strip() == "mover: rank 7 does not exist; this job has ranks 0..3"
+    finally:
+        _finish(job)
+        for command in commands:
+            command.kill()
+            command.communicate()
+    output = log.read_text()
+    assert job.returncode == 0, output[-5000:]
+    events = read_events(events_path)
+    assert not [e for e in events if e["event"] in ("worker_failed", "fallback", "restart")]
+    assert len([e for e in events if e["event"] == "migration_rejected"]) == 5
+    assert sorted(e["rank"] for e in events if e["event"] == "leaver_exit") == [2, 3]
+
+    finals = [line.split()[1] for line in output.splitlines()
+              if line.startswith("PARAMS_DIGEST")]
+    assert finals == [digest(reference_pp2_40)]
+
+
+def _connect(job: subprocess.Popen) -> JobClient:
+    """The job's client, found like ``mover`` finds it: the one job running on this host."""
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            return JobClient()
+        except ConfigError:
+            assert job.poll() is None and time.monotonic() < deadline, "the job did not start"
+            time.sleep(0.2)
+
+
+def _nodes(status: dict) -> dict[int, int]:
+    return {int(rank): member["node"] for rank, member in status["membership"].items()}
+
+
+def _finish(job: subprocess.Popen) -> None:
+    """Waits for the job to end; kills its whole process group if it does not."""
+    try:
+        job.wait(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, 9)
+        job.wait()

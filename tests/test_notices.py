@@ -1,0 +1,76 @@
+"""The notice pipe between an agent and a worker: mover_plugin.runtime.notices.
+
+A real pipe and a real watcher thread; the agent's side is the same ``encode_notice`` the
+agent writes with.
+"""
+
+import os
+import threading
+import time
+
+from mover_plugin.runtime.notices import NoticeWatcher, encode_notice
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.alarms: list[str] = []
+        self.switches = 0
+        self.changed = threading.Event()
+
+    def alarm(self, reason: str) -> None:
+        self.alarms.append(reason)
+        self.changed.set()
+
+    def switch(self) -> None:
+        self.switches += 1
+        self.changed.set()
+
+
+def _watch(generation: int):
+    read_end, write_end = os.pipe()
+    recorder = _Recorder()
+    watcher = NoticeWatcher(read_end, generation, recorder.alarm, recorder.switch)
+    return watcher, recorder, write_end
+
+
+def _send(fd: int, **notice) -> None:
+    os.write(fd, encode_notice(notice))
+
+
+def test_only_the_followed_generation_s_notices_are_acted_on() -> None:
+    watcher, recorder, pipe = _watch(generation=1)
+    try:
+        _send(pipe, generation=0, kind="alarm", reason="old generation")
+        _send(pipe, generation=2, kind="switch")
+        _send(pipe, generation=1, kind="switch")
+        assert recorder.changed.wait(5.0)
+        assert recorder.switches == 1 and recorder.alarms == []
+        recorder.changed.clear()
+        watcher.follow(2)
+        assert watcher.generation == 2
+        _send(pipe, generation=1, kind="alarm", reason="late alarm of generation 1")
+        _send(pipe, generation=2, kind="retire")
+        # A notice split over two writes is read whole.
+        line = encode_notice({"generation": 2, "kind": "alarm", "reason": "rank 3 lost"})
+        os.write(pipe, line[:7])
+        time.sleep(0.05)
+        os.write(pipe, line[7:])
+        assert recorder.changed.wait(5.0)
+        assert recorder.alarms == ["rank 3 lost"] and recorder.switches == 1
+    finally:
+        watcher.stop()
+        os.close(pipe)
+
+
+def test_stop_ends_the_thread_at_once_and_a_closed_pipe_ends_it_too() -> None:
+    watcher, _, pipe = _watch(generation=0)
+    started = time.monotonic()
+    watcher.stop()
+    assert time.monotonic() - started < 1.0
+    assert not watcher.running
+    os.close(pipe)
+
+    watcher, _, pipe = _watch(generation=0)
+    os.close(pipe)  # the agent is gone
+    watcher.join(timeout=5.0)
+    assert not watcher.running
