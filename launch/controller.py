@@ -65,6 +65,8 @@ from mover_plugin.layout import ParallelLayout
 logger = logging.getLogger(__name__)
 
 POLL_PERIOD_S = 0.005
+REQUEST_POLL_PERIOD_S = 0.05
+"""Operator requests wait up to this long: no need to read their mailbox at every poll."""
 RECENT_EVENTS = 20
 """How many of the latest event-log records ``mover status`` shows."""
 
@@ -199,13 +201,16 @@ class Controller:
         self._finished_workers: list[dict[str, Any]] = []
 
     def _serve(self) -> int:
+        last_requests_poll = 0.0
         while True:
             for event in self._events.poll():
                 exit_code = self._handle(event)
                 if exit_code is not None:
                     return exit_code
-            for request in self._requests.poll():
-                self._on_request(request)
+            if time.monotonic() - last_requests_poll >= REQUEST_POLL_PERIOD_S:
+                last_requests_poll = time.monotonic()
+                for request in self._requests.poll():
+                    self._on_request(request)
             self._check_local_agents()
             time.sleep(POLL_PERIOD_S)
 
