@@ -88,7 +88,8 @@ class _Migration:
     """Per rank of the old generation: when it ended its last step there, and that step's
     duration."""
     handed_over: set[int] = field(default_factory=set)
-    before: tuple[Membership, dict[int, int]] = (Membership(0, {}), {})
+    before: tuple[Membership, dict[int, int]] = field(
+        default_factory=lambda: (Membership(0, {}), {}))
     """The membership and the ranks' nodes before, restored if the migration is cancelled."""
 
     @property
@@ -455,10 +456,11 @@ class Controller:
                                 "job; move its ranks with --rank")
             return sorted(r for r, n in self._node_of_rank.items() if n == nodes[0].node_rank)
         ranks = request.get("ranks") or []
+        if not ranks:
+            raise _Rejected("name the ranks to move, or a host")
         bad = [r for r in ranks if not isinstance(r, int) or not 0 <= r < world]
-        if bad or not ranks:
-            raise _Rejected(f"rank {bad[0] if bad else None} does not exist; "
-                            f"this job has ranks 0..{world - 1}")
+        if bad:
+            raise _Rejected(f"rank {bad[0]} does not exist; this job has ranks 0..{world - 1}")
         return sorted(set(ranks))
 
     def _start_migration(self, request: dict[str, Any]) -> dict[str, Any]:
