@@ -213,11 +213,11 @@ def test_alarm_counts_epochs_and_re_arms_only_when_cleared(clean_alarm: None) ->
 
 def test_waiters_wake_at_once_when_the_alarm_is_raised(clean_alarm: None) -> None:
     epoch = alarm.current_epoch()
-    assert not alarm.wait_for_epoch_change(epoch, 0.01)
+    assert not alarm.wait_until(lambda: False, epoch, 0.01)
     woke: list[float] = []
 
     def waiter() -> None:
-        alarm.wait_for_epoch_change(epoch, 10.0)
+        alarm.wait_until(lambda: False, epoch, 10.0)
         woke.append(time.monotonic())
 
     thread = threading.Thread(target=waiter)

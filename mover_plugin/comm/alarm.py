@@ -102,11 +102,6 @@ def wait_for_alarm(timeout_s: Optional[float] = None) -> bool:
         return _cond.wait_for(lambda: _raised, timeout=timeout_s)
 
 
-def wait_for_epoch_change(epoch: int, timeout_s: float) -> bool:
-    """Blocks up to ``timeout_s`` until the epoch differs from ``epoch``; returns whether it does."""
-    return wait_until(lambda: False, epoch, timeout_s)
-
-
 def wait_until(done: Callable[[], bool], epoch: int, timeout_s: float) -> bool:
     """Blocks up to ``timeout_s`` until ``done()`` is true or the epoch differs from ``epoch``;
     returns whether either is the case.
