@@ -124,11 +124,12 @@ def test_operator_moves_a_host_and_bad_requests_leave_the_job_untouched(tmp_path
     commands: list[subprocess.Popen] = []
     try:
         client = _connect(job)
-        status = _wait_until_trained_with_standbys(client, 4, job)
-        # The command line, started now, while the job is sure to train for a while yet.
+        # The command line, started as soon as the job is listed: its workers take far longer
+        # to start than the command, so the job is sure to be running when it answers.
         cli_status = _mover_started("status", env=env)
         cli_bad_rank = _mover_started("migrate", "--rank", "7", env=env)
         commands += [cli_status, cli_bad_rank]
+        status = _wait_until_trained_with_standbys(client, 4, job)
         assert status["policy"] == "resilient" and status["world_size"] == 4
         assert _nodes(status) == {0: 0, 1: 0, 2: 1, 3: 1}
 
