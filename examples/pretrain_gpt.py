@@ -86,6 +86,7 @@ def initialize_distributed(args: argparse.Namespace, resilience) -> None:
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         distributed_timeout_minutes=args.distributed_timeout_minutes,
+        create_gloo_process_groups=args.enable_gloo_process_groups,
     )
     if resilience is not None:
         # Abortable groups in the namespace of the current generation.
@@ -181,6 +182,7 @@ def setup_model_and_optimizer(args: argparse.Namespace):
             use_distributed_optimizer=args.use_distributed_optimizer,
         ),
         [model],
+        use_gloo_process_groups=args.enable_gloo_process_groups,
     )
     samples = args.global_batch_size
     scheduler = OptimizerParamScheduler(

@@ -19,8 +19,9 @@ Without a standby or a twin it falls back to the restart policy, and the event l
 A planned migration (``mover migrate``, :mod:`mover_plugin.launch.jobctl`) is a generation
 switch the controller starts itself: it plans generation ``g + 1`` with ready standbys in the
 leaving ranks' places (each leaving rank is its joiner's source of state), promotes them at
-once (phase 1: they get ready while training goes on), and when every joiner is prepared posts
-the ``switch`` notice to generation ``g``; the ranks switch at the end of the iteration in
+once and posts the ``prepare`` notice to generation ``g`` (phase 1, while training goes on: the
+joiners build their groups and model, the other ranks the next generation's version of their
+groups that hold a leaving rank); when all of them report ready it posts the ``switch`` notice; the ranks switch at the end of the iteration in
 which they all saw it (phase 2), the leavers hand their state over and exit. Operator requests
 arrive in the ``requests`` mailbox; each gets a reply (accepted, or rejected with the reason)
 and, for a migration, a second one when training runs on the new processes.
@@ -84,10 +85,14 @@ class _Migration:
     old_generation: int
     interruption: Interruption
     prepared: set[int] = field(default_factory=set)
+    """Joiners whose groups and model are built."""
+    groups_prepared: set[int] = field(default_factory=set)
+    """Ranks that stay whose part of the next generation's groups is built."""
     boundary: dict[int, tuple[float, float]] = field(default_factory=dict)
     """Per rank of the old generation: when it ended its last step there, and that step's
     duration."""
     handed_over: set[int] = field(default_factory=set)
+    switch_posted: bool = False
     before: tuple[Membership, dict[int, int]] = field(
         default_factory=lambda: (Membership(0, {}), {}))
     """The membership and the ranks' nodes before, restored if the migration is cancelled."""
@@ -506,6 +511,7 @@ class Controller:
                   "kind": "migration", "replacements": [vars(item) for item in plan]}
         self._store.set(plan_key(self._generation), json.dumps(record))
         self._promote(plan, migration=True)
+        self._notify(old, "prepare")
         for item in plan:
             self.log.write("migration_requested", "migrate", generation=self._generation,
                            rank=item.rank, when=now, standby=item.standby, node=item.node)
@@ -514,24 +520,45 @@ class Controller:
 
     @staticmethod
     def _migration_state(migration: _Migration) -> str:
-        if len(migration.prepared) < len(migration.plan):
-            return "phase 1: joiners getting ready"
+        if not migration.switch_posted:
+            return "phase 1: joiners and the other ranks preparing the new groups"
         if len(migration.handed_over) < len(migration.plan):
             return "phase 2: switching at the next iteration boundary"
         return "phase 2: waiting for the first step on the new processes"
 
     def _on_prepared(self, event: dict[str, Any]) -> Optional[int]:
-        """A promoted standby is ready to join; with every joiner ready, the switch is due."""
+        """A promoted standby has its groups and model built."""
         migration = self._migration
         if migration is None or event["generation"] != self._generation:
             return None
         migration.prepared.add(event["rank"])
         self.log.write("joiner_prepared", "migrate", generation=self._generation,
                        rank=event["rank"], when=event["time"])
-        if len(migration.prepared) == len(migration.plan):
-            migration.interruption.mark("prepared", event["time"])
-            self._notify(migration.old_generation, "switch")
+        self._switch_when_prepared(event["time"])
         return None
+
+    def _on_groups_prepared(self, event: dict[str, Any]) -> Optional[int]:
+        """A rank that stays has built its part of the next generation's groups."""
+        migration = self._migration
+        if migration is None or event["generation"] != self._generation:
+            return None
+        migration.groups_prepared.add(event["rank"])
+        self.log.write("groups_prepared", "migrate", generation=self._generation,
+                       rank=event["rank"], when=event["time"], build_s=event["build_s"],
+                       rebuilt=event["rebuilt"], kept=event["kept"])
+        self._switch_when_prepared(event["time"])
+        return None
+
+    def _switch_when_prepared(self, now: float) -> None:
+        """With every joiner and every staying rank prepared, the switch is due (phase 2)."""
+        migration = self._migration
+        staying = self.config.world_size - len(migration.plan)
+        if (migration.switch_posted or len(migration.prepared) < len(migration.plan)
+                or len(migration.groups_prepared) < staying):
+            return
+        migration.switch_posted = True
+        migration.interruption.mark("prepared", now)
+        self._notify(migration.old_generation, "switch")
 
     def _on_boundary(self, event: dict[str, Any]) -> Optional[int]:
         """A rank of the old generation ended its last step there."""

@@ -1,26 +1,17 @@
 """Tests of the abortable communication layer (``mover_plugin.comm``) over real gloo.
 
 Pure tests drive the alarm; one in-process test runs a world of one rank; the rest run ranks as
-processes forked from a forkserver with torch (and Megatron-Core's ``parallel_state``, when
-installed) preloaded, around a TCPStore on a port the OS picks, with results and tracebacks
-through a queue and every child killed in ``finally``. Timeouts are layered: gloo's group
-timeout (15 s) < the per-test harness limit (45 s) < the test runner's.
+processes (:mod:`rank_jobs`).
 """
 
 from __future__ import annotations
 
 import importlib.util
-import multiprocessing
-import multiprocessing.forkserver
-import os
 import threading
-import queue
 import signal
 import time
-import traceback
-from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Iterator
 
 import pytest
 import torch
@@ -38,130 +29,12 @@ from mover_plugin.comm import (
     retired,
 )
 from mover_plugin.errors import MoverError
-from mover_plugin.processes import parent_death_signal
-
-GROUP_TIMEOUT = timedelta(seconds=15)
-HARNESS_TIMEOUT_S = 45.0
-
-_CONTEXT = multiprocessing.get_context("forkserver")
-_CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "megatron.core.parallel_state"])
-
-
-# --------------------------------------------------------------------------- process harness
+from rank_jobs import Job, init_mover_group, rank_job, stop_forkserver_after_module  # noqa: F401
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _stop_forkserver_after_module() -> Iterator[None]:
-    """The forkserver is a child of the test process: stop it so no child outlives the module
-    (other tests check that they leave no children behind)."""
-    yield
-    stop = getattr(multiprocessing.forkserver._forkserver, "_stop", None)
-    if stop is not None:
-        stop()
-
-
-def _child_main(fn: Callable[..., Any], rank: int, port: int, args: tuple, results: Any) -> None:
-    parent_death_signal(signal.SIGKILL)()
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    try:
-        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=GROUP_TIMEOUT)
-        value = fn(rank, store, port, *args)
-        results.put((rank, True, value))
-    except BaseException:  # report everything, SystemExit included, to the parent
-        results.put((rank, False, traceback.format_exc()))
-
-
-class _Job:
-    """Ranks as processes around one master TCPStore; see :func:`_job`."""
-
-    def __init__(self) -> None:
-        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                   timeout=GROUP_TIMEOUT)
-        self.results: Any = _CONTEXT.Queue()
-        self.processes: dict[int, Any] = {}
-        self.deadline = time.monotonic() + HARNESS_TIMEOUT_S
-
-    def start(self, rank: int, fn: Callable[..., Any], *args: Any) -> None:
-        """Starts ``fn(rank, store_client, port, *args)`` in a new process; ``rank`` keys the
-        result (a replacement uses a key of its own, e.g. 100 + its rank)."""
-        process = _CONTEXT.Process(target=_child_main,
-                                   args=(fn, rank, self.store.port, args, self.results),
-                                   daemon=True)
-        process.start()
-        self.processes[rank] = process
-
-    def signal(self, rank: int, sig: int) -> None:
-        os.kill(self.processes[rank].pid, sig)
-
-    def wait_keys(self, keys: list[str]) -> None:
-        remaining = max(0.1, self.deadline - time.monotonic())
-        self.store.wait(keys, timedelta(seconds=remaining))
-
-    def collect(self, ranks: list[int]) -> dict[int, Any]:
-        """The results of ``ranks``; fails with every failed rank's traceback."""
-        outcomes: dict[int, tuple[bool, Any]] = {}
-        while len(outcomes) < len(ranks) and time.monotonic() < self.deadline:
-            try:
-                rank, ok, value = self.results.get(timeout=0.1)
-            except queue.Empty:
-                if any(not self.processes[r].is_alive() for r in ranks if r not in outcomes):
-                    time.sleep(0.5)  # a result may still be in the pipe
-                    while True:
-                        try:
-                            rank, ok, value = self.results.get_nowait()
-                        except queue.Empty:
-                            break
-                        outcomes[rank] = (ok, value)
-                    if any(not self.processes[r].is_alive()
-                           for r in ranks if r not in outcomes):
-                        break
-                continue
-            outcomes[rank] = (ok, value)
-        failures = []
-        for rank in ranks:
-            ok, value = outcomes.get(rank, (False, None))
-            if not ok:
-                process = self.processes[rank]
-                state = "still running" if process.is_alive() else f"exit {process.exitcode}"
-                failures.append(f"--- rank {rank} ---\n{value or f'no result ({state})'}")
-        if failures:
-            pytest.fail("\n".join(failures), pytrace=False)
-        return {rank: outcomes[rank][1] for rank in ranks}
-
-    def exits_within(self, ranks: list[int], seconds: float) -> dict[int, Optional[int]]:
-        """Joins ``ranks`` for up to ``seconds`` in all; returns their exit codes."""
-        end = time.monotonic() + seconds
-        for rank in ranks:
-            self.processes[rank].join(max(0.0, end - time.monotonic()))
-        return {rank: self.processes[rank].exitcode for rank in ranks}
-
-    def close(self) -> None:
-        for process in self.processes.values():
-            if process.is_alive():
-                try:
-                    os.kill(process.pid, signal.SIGCONT)
-                except ProcessLookupError:
-                    pass
-                process.kill()
-        for process in self.processes.values():
-            process.join(timeout=10)
-        self.results.close()
-
-
-@contextmanager
-def _job() -> Iterator[_Job]:
-    job = _Job()
-    try:
-        yield job
-    finally:
-        job.close()
-
-
-def _init(store: dist.Store, prefix: str, rank: int, world_size: int) -> None:
-    register_backend()
-    dist.init_process_group("mover", store=dist.PrefixStore(prefix, store), rank=rank,
-                            world_size=world_size, timeout=GROUP_TIMEOUT)
+def _stop_forkserver(stop_forkserver_after_module: None) -> None:
+    """No forkserver outlives this module (other tests check for stray children)."""
 
 
 ALARM_KEY = "test/alarm"
@@ -241,7 +114,7 @@ def test_errors_derive_from_the_project_error() -> None:
 def test_a_world_of_one_in_process_aborts_and_rebuilds(clean_alarm: None) -> None:
     assert register_backend() == register_backend() == "mover"
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    _init(store, "gen0", 0, 1)
+    init_mover_group(store, "gen0", 0, 1)
     try:
         world = dist.group.WORLD
         assert isinstance(world, MoverProcessGroup) and dist.get_backend() == "mover"
@@ -263,7 +136,7 @@ def test_a_world_of_one_in_process_aborts_and_rebuilds(clean_alarm: None) -> Non
         dist.destroy_process_group()
         assert time.monotonic() - started < 1.0
         clear_alarm()
-        _init(store, "gen1", 0, 1)
+        init_mover_group(store, "gen1", 0, 1)
         dist.all_reduce(tensor)
         assert torch.equal(tensor, torch.ones(3))
         # An explicit abort of one group leaves the others alone.
@@ -291,7 +164,7 @@ def _registration_is_opt_in(rank: int, store: dist.Store, port: int) -> dict:
 
 def _collectives(rank: int, store: dist.Store, port: int) -> dict:
     world_size = 4
-    _init(store, "gen0", rank, world_size)
+    init_mover_group(store, "gen0", rank, world_size)
     checks: dict[str, Any] = {}
     world = dist.group.WORLD
     checks["world_type"] = type(world).__name__
@@ -401,14 +274,14 @@ def _collectives(rank: int, store: dist.Store, port: int) -> dict:
 
 
 def test_registration_is_idempotent_and_not_done_at_import() -> None:
-    with _job() as job:
+    with rank_job() as job:
         job.start(0, _registration_is_opt_in)
         result = job.collect([0])[0]
     assert result == {"before": False, "after": True, "name": "mover", "again": "mover"}
 
 
 def test_collectives_and_p2p_on_default_and_sub_groups() -> None:
-    with _job() as job:
+    with rank_job() as job:
         for rank in range(4):
             job.start(rank, _collectives)
         results = job.collect(list(range(4)))
@@ -428,7 +301,7 @@ def test_collectives_and_p2p_on_default_and_sub_groups() -> None:
 def _survivor_or_hung(rank: int, store: dist.Store, port: int, hung_rank: int) -> dict:
     """Generation 0 with a rank that hangs, then generation 1 with its replacement."""
     world_size = 4
-    _init(store, "gen0", rank, world_size)
+    init_mover_group(store, "gen0", rank, world_size)
     tensor = torch.ones(1)
     dist.all_reduce(tensor)  # every link of generation 0 is up
     if rank == hung_rank:
@@ -487,7 +360,7 @@ def _survivor_or_hung(rank: int, store: dist.Store, port: int, hung_rank: int) -
 
 def _generation_one(rank: int, store: dist.Store) -> dict:
     """Builds generation 1 (world of 4) and checks a collective and p2p with rank 3."""
-    _init(store, "gen1", rank, 4)
+    init_mover_group(store, "gen1", rank, 4)
     pairs = [dist.new_group([0, 3]), dist.new_group([1, 2])]
     tensor = torch.full((2,), float(rank + 1))
     dist.all_reduce(tensor)
@@ -515,7 +388,7 @@ def _replacement(rank: int, store: dist.Store, port: int, takes_rank: int) -> di
 
 def test_survivors_leave_a_hung_collective_and_rebuild_with_a_replacement() -> None:
     hung, replacement = 3, 103
-    with _job() as job:
+    with rank_job() as job:
         for rank in range(4):
             job.start(rank, _survivor_or_hung, hung)
         job.start(replacement, _replacement, hung)
@@ -552,7 +425,7 @@ def test_survivors_leave_a_hung_collective_and_rebuild_with_a_replacement() -> N
 
 
 def _killed_neighbours(rank: int, store: dist.Store, port: int, killed: int) -> dict:
-    _init(store, "gen0", rank, 4)
+    init_mover_group(store, "gen0", rank, 4)
     tensor = torch.ones(1)
     dist.all_reduce(tensor)
     if rank == killed:
@@ -575,7 +448,7 @@ def _killed_neighbours(rank: int, store: dist.Store, port: int, killed: int) -> 
 
 def test_neighbours_of_a_killed_rank_leave_promptly() -> None:
     killed, alarm_delay_s = 3, 0.3
-    with _job() as job:
+    with rank_job() as job:
         for rank in range(4):
             job.start(rank, _killed_neighbours, killed)
         survivors = [0, 1, 2]
@@ -599,7 +472,7 @@ def test_neighbours_of_a_killed_rank_leave_promptly() -> None:
 def _megatron_groups(rank: int, store: dist.Store, port: int) -> dict:
     from megatron.core import parallel_state
 
-    _init(store, "gen0", rank, 4)
+    init_mover_group(store, "gen0", rank, 4)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1,
                                              pipeline_model_parallel_size=2)
     groups = {
@@ -638,7 +511,7 @@ def _megatron_groups(rank: int, store: dist.Store, port: int) -> dict:
 @pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
                     reason="megatron-core is not installed")
 def test_megatron_parallel_state_groups_are_abortable() -> None:
-    with _job() as job:
+    with rank_job() as job:
         for rank in range(4):
             job.start(rank, _megatron_groups)
         results = job.collect(list(range(4)))

@@ -15,6 +15,7 @@ class _Recorder:
     def __init__(self) -> None:
         self.alarms: list[str] = []
         self.switches = 0
+        self.preparations = 0
         self.changed = threading.Event()
 
     def alarm(self, reason: str) -> None:
@@ -25,12 +26,24 @@ class _Recorder:
         self.switches += 1
         self.changed.set()
 
+    def prepare(self) -> None:
+        self.preparations += 1
+        self.changed.set()
+
 
 def _watch(generation: int):
     read_end, write_end = os.pipe()
     recorder = _Recorder()
-    watcher = NoticeWatcher(read_end, generation, recorder.alarm, recorder.switch)
+    watcher = NoticeWatcher(read_end, generation, recorder.alarm, recorder.switch,
+                            recorder.prepare)
     return watcher, recorder, write_end
+
+
+def _wait_for(condition, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return condition()
 
 
 def _send(fd: int, **notice) -> None:
@@ -42,9 +55,11 @@ def test_only_the_followed_generation_s_notices_are_acted_on() -> None:
     try:
         _send(pipe, generation=0, kind="alarm", reason="old generation")
         _send(pipe, generation=2, kind="switch")
+        _send(pipe, generation=0, kind="prepare")
+        _send(pipe, generation=1, kind="prepare")
         _send(pipe, generation=1, kind="switch")
-        assert recorder.changed.wait(5.0)
-        assert recorder.switches == 1 and recorder.alarms == []
+        assert _wait_for(lambda: recorder.switches == 1)
+        assert recorder.preparations == 1 and recorder.alarms == []
         recorder.changed.clear()
         watcher.follow(2)
         assert watcher.generation == 2

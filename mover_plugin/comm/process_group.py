@@ -21,11 +21,13 @@ it, NCCL communicators are aborted, and :meth:`MoverProcessGroup.shutdown` (call
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import threading
 import weakref
 from datetime import timedelta
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -84,6 +86,27 @@ def _make_nccl(store: Store, rank: int, size: int, timeout: timedelta,
     return dist.ProcessGroupNCCL(store, rank, size, options)
 
 
+_GLOO_LAZY_INIT = "TORCH_GLOO_LAZY_INIT"
+_connection_mode_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _gloo_connection_mode(*, lazy: bool) -> Iterator[None]:
+    """``ProcessGroupGloo`` reads its connection mode from ``TORCH_GLOO_LAZY_INIT`` when it is
+    constructed (torch 2.13 has no option for it); this sets the variable for one
+    construction and restores it."""
+    with _connection_mode_lock:
+        previous = os.environ.get(_GLOO_LAZY_INIT)
+        os.environ[_GLOO_LAZY_INIT] = "1" if lazy else "0"
+        try:
+            yield
+        finally:
+            if previous is None:
+                del os.environ[_GLOO_LAZY_INIT]
+            else:
+                os.environ[_GLOO_LAZY_INIT] = previous
+
+
 class MoverProcessGroup(dist.ProcessGroup):
     """A process group whose operations can be abandoned; see the module docstring.
 
@@ -102,11 +125,17 @@ class MoverProcessGroup(dist.ProcessGroup):
             available.
         nccl_options: ``ProcessGroupNCCL.Options`` for the NCCL backend (e.g. the
             ``pg_options`` Megatron passes to ``new_group``); other values are ignored.
+        lazy_connect: gloo connects to a peer on the first operation that needs it rather
+            than to every peer at construction. The ``mover`` backend builds every group this
+            way: building a group never waits for its members, a rank connects only to the
+            peers it exchanges with (a ring all-reduce: two), and a rebuilt group costs a rank
+            about the same whatever the group's size.
     """
 
     def __init__(self, store: Store, rank: int, size: int, timeout: timedelta, *,
                  group_name: str = "", global_ranks: Sequence[int] = (),
-                 use_cuda: Optional[bool] = None, nccl_options: Any = None) -> None:
+                 use_cuda: Optional[bool] = None, nccl_options: Any = None,
+                 lazy_connect: bool = False) -> None:
         super().__init__(rank, size)
         self._label = group_name or "?"
         self._group_name = group_name
@@ -116,10 +145,12 @@ class MoverProcessGroup(dist.ProcessGroup):
         self._abort_reason: Optional[str] = None
         self._failure: Optional[BaseException] = None
         self._closed = False
+        self._nccl_aborted = False
         self._lock = threading.Lock()
         self._inflight: list[Any] = []  # observers of backend works, see work.observe
         ranks = list(global_ranks) or list(range(size))
-        gloo = dist.ProcessGroupGloo(PrefixStore("gloo/", store), rank, size, timeout)
+        with _gloo_connection_mode(lazy=lazy_connect):
+            gloo = dist.ProcessGroupGloo(PrefixStore("gloo/", store), rank, size, timeout)
         gloo.options.global_ranks_in_group = ranks
         gloo.options.group_name = group_name
         self._gloo: Optional[Any] = gloo
@@ -197,6 +228,24 @@ class MoverProcessGroup(dist.ProcessGroup):
         return (self._abort_reason is None and alarm.current_epoch() == self._epoch
                 and not self._closed and self._failure is None)
 
+    @property
+    def idle(self) -> bool:
+        """Whether every operation issued here has completed and none failed: the members
+        of a group that is idle on all of them issued the same operations, so the group can
+        go on being used after an alarm (see :meth:`revive`)."""
+        return (self._failure is None and not self._closed and not self._nccl_aborted
+                and self._abort_reason is None and self.pending_operations() == 0)
+
+    def revive(self) -> None:
+        """Makes a group that an alarm aborted usable again, in the current alarm epoch.
+
+        Only for a group that every member found :attr:`idle` after the alarm (the caller
+        establishes that); raises ``ValueError`` if this member's side is not idle."""
+        if not self.idle:
+            raise ValueError(f"group {self._name()!r} cannot be revived: it has pending, "
+                             "failed or aborted operations, or was shut down")
+        self._epoch = alarm.current_epoch()
+
     def check_usable(self, op: str) -> None:
         """Raises :class:`CollectiveAborted` if ``op`` must not run (or keep waiting) here."""
         if self._abort_reason is not None:
@@ -236,12 +285,14 @@ class MoverProcessGroup(dist.ProcessGroup):
         alarm.wake_waiters()
 
     def _on_alarm(self, reason: str) -> None:
-        """Aborts the NCCL communicator of an aborted group (gloo has nothing to abort: its
+        """Aborts the NCCL communicator of an aborted group that has an operation in flight
+        (an idle communicator blocks nobody and may be kept; gloo has nothing to abort: its
         waiters are woken by the alarm and leave)."""
         if not self.aborted:
             return  # created after the alarm: belongs to the next generation
         nccl = self._nccl
-        if nccl is not None:
+        if nccl is not None and (self._abort_reason is not None or self.pending_operations()):
+            self._nccl_aborted = True
             try:
                 nccl.abort()
             except Exception:

@@ -72,6 +72,10 @@ def _add_parallel_args(group: argparse._ArgumentGroup) -> None:
     add("--pipeline-model-parallel-size", type=int, default=1)
     add("--use-distributed-optimizer", action="store_true")
     add("--overlap-grad-reduce", action="store_true")
+    add("--disable-gloo-process-groups", dest="enable_gloo_process_groups",
+        action="store_false",
+        help="Do not create Megatron's extra gloo groups (CPU copies for the distributed "
+        "optimizer). Implied by --resilient, whose groups are all abortable.")
     add("--distributed-backend", default=None, choices=BACKENDS,
         help="Default: nccl when CUDA is available, else gloo.")
     add("--distributed-timeout-minutes", type=float, default=10.0)
@@ -254,6 +258,9 @@ def _check_resilience(args: argparse.Namespace) -> None:
             "--resilient with --use-distributed-optimizer is not supported yet (the optimizer "
             "state is sharded; a replacement could not copy it from a twin); drop one of them"
         )
+    if args.resilient:
+        # Plain gloo groups cannot be left when a peer dies, nor replaced in place.
+        args.enable_gloo_process_groups = False
 
 
 def _positive(args: argparse.Namespace, *names: str) -> None:

@@ -2,20 +2,24 @@
 
 Under ``mover-launch --policy resilient`` every worker runs its training steps through
 :meth:`MegatronResilience.run_step`. When a rank dies, the survivors leave the failed step (a
-communication error, or the controller's alarm aborting the collective they wait in), build
-the next generation's process groups under its own store namespace, rewrite every cached
-group reference in the model, DDP and optimizer, agree on which side of the optimizer update
+communication error, or the controller's alarm aborting the collective they wait in), rebuild
+the process groups that contain the lost rank (and any other group left in the middle of an
+operation) under the next generation's store namespace, keep the others
+(:mod:`mover_plugin.comm.delta`), rewrite every cached reference to a rebuilt group in
+``parallel_state``, the model, DDP and optimizer, agree on which side of the optimizer update
 each of them is, and redo the dropped iteration with the same micro-batches and the RNG states
 saved at its start. A standby process, started and warmed up beforehand, takes the lost global
 rank: it builds the model with its collectives kept local, receives parameters, optimizer and
 scheduler state, RNG states and the iteration from a data-parallel twin, and joins the loop.
 
-**Planned migration.** When an operator moves a rank (``mover migrate``), a standby is
-promoted to the rank while training goes on, and the controller then posts a *switch* notice.
-Each rank carries "I saw it" in the commit all-reduce, so all of them learn in the same
-iteration that the switch is due, finish that iteration, and switch at its end: the stayers
-rebuild their groups with the joiner in the leaver's place, and the leaver sends its own state
-to the joiner (:mod:`mover_plugin.runtime.handover`) and exits with status 0.
+**Planned migration.** When an operator moves a rank (``mover migrate``), phase 1 runs while
+training goes on: a standby is promoted to the rank, builds its groups and its model, and every
+other rank builds, in a thread of its own, the next generation's version of its groups that
+contain the leaving rank (a *prepare* notice starts it). When all are ready the controller posts
+a *switch* notice. Each rank carries "I saw it" in the commit all-reduce, so all of them learn
+in the same iteration that the switch is due, finish that iteration, and switch at its end
+(phase 2): the stayers put the prepared groups in place, and the leaver sends its own state to
+the joiner (:mod:`mover_plugin.runtime.handover`) and exits with status 0.
 
 **The commit rule.** The optimizer update of an iteration is applied only after a WORLD
 all-reduce that every rank enters with complete, reduced and clipped gradients. If any rank
@@ -25,7 +29,9 @@ iteration is redone. Either way all ranks continue from the same iteration.
 
 Limitations: the optimizer state must be replicated across data-parallel ranks (no
 ``--use-distributed-optimizer``); a lost rank needs a live data-parallel twin (otherwise the
-controller falls back to the restart baseline); groups are rebuilt in full at each switch.
+controller falls back to the restart baseline); every group uses the ``mover`` backend, so
+Megatron's extra gloo groups are not created (``--resilient`` implies
+``--disable-gloo-process-groups``).
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import contextlib
 import logging
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -51,6 +58,14 @@ from mover_plugin.comm import (
     raise_alarm,
     register_backend,
 )
+from mover_plugin.comm.delta import (
+    PreparedDelta,
+    agree_on_idle_groups,
+    discard_delta,
+    install_delta,
+    member_groups,
+    prepare_delta,
+)
 from mover_plugin.errors import LaunchError
 from mover_plugin.layout import ParallelLayout
 from mover_plugin.megatron.checkpoint import capture_rng_state, restore_rng_state
@@ -59,7 +74,7 @@ from mover_plugin.runtime.control import ControlClient
 from mover_plugin.runtime.handover import open_handover, receive_state, send_state
 from mover_plugin.runtime.heartbeat import Heartbeat
 from mover_plugin.runtime.notices import NoticeWatcher
-from mover_plugin.runtime.rewire import rewire
+from mover_plugin.runtime.rewire import rewire, rewire_module_globals
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +114,8 @@ class MegatronResilience:
         self.world_size = int(os.environ["WORLD_SIZE"])
         self.joiner_of: Optional[dict[str, Any]] = None
         """For a promoted standby: its replacement record (rank, twin)."""
+        self._joining_migration = False
+        """For a promoted standby: whether it replaces a leaving rank (else a lost one)."""
         self._applied = 0
         self._step: Optional[_StepState] = None
         self._parallel_kwargs: dict[str, Any] = {}
@@ -114,6 +131,8 @@ class MegatronResilience:
         """Set by the notice watcher when the controller asks for a planned switch."""
         self._switch_agreed = False
         """Set when the commit all-reduce showed that some rank saw the switch request."""
+        self._next_groups: Optional[_GroupPreparation] = None
+        """A stayer's groups of the next generation, built during a migration's phase 1."""
 
     # -- start-up -------------------------------------------------------------------------
 
@@ -139,8 +158,8 @@ class MegatronResilience:
         self.control.generation = self.progress.generation = self.generation
         plan = self.control.wait_for_plan(self.generation)
         self.joiner_of = next(r for r in plan["replacements"] if r["rank"] == self.rank)
+        self._joining_migration = plan.get("kind") == "migration"
         os.environ["RANK"] = str(self.rank)
-        self.control.post("prepared", rank=self.rank, standby=self.control.standby_id)
         logger.warning("standby %s promoted to rank %d in generation %d",
                        self.control.standby_id, self.rank, self.generation)
 
@@ -150,7 +169,7 @@ class MegatronResilience:
         self._parallel_kwargs = dict(parallel_kwargs)
         self.progress.generation = self.generation
         self._watch = NoticeWatcher.from_env(self.generation, raise_alarm,
-                                             self._on_switch_notice)
+                                             self._on_switch_notice, self._on_prepare_notice)
         if self._watch is None:
             raise LaunchError("--resilient needs the job to run under 'mover-launch' (no notice "
                               "pipe from its agent)")
@@ -166,10 +185,36 @@ class MegatronResilience:
         timeout = timedelta(seconds=self.settings.collective_timeout_s)
         dist.init_process_group(BACKEND_NAME, store=self.control.generation_store(self.generation),
                                 rank=self.rank, world_size=self.world_size, timeout=timeout)
+        if self._parallel_kwargs.get("create_gloo_process_groups", True):
+            raise LaunchError("--resilient needs initialize_model_parallel("
+                              "create_gloo_process_groups=False): plain gloo groups can be "
+                              "neither left nor replaced")
         parallel_state.initialize_model_parallel(**self._parallel_kwargs)
 
     def _on_switch_notice(self) -> None:
         self._switch_requested = True
+
+    def _on_prepare_notice(self) -> None:
+        generation = self.generation + 1
+        self._next_groups = _GroupPreparation(lambda: self._prepare_next_groups(generation))
+
+    def _prepare_next_groups(self, generation: int) -> Optional[PreparedDelta]:
+        """Phase 1 of a migration at a rank of the current generation (in a thread of its
+        own): builds the next generation's version of this rank's groups that contain a
+        leaving rank. A leaving rank builds nothing."""
+        plan = self.control.wait_for_plan(generation)
+        leaving = {item["rank"] for item in plan["replacements"]}
+        if self.rank in leaving:
+            return None
+        delta = prepare_delta(self.control.generation_store(generation), leaving,
+                              timeout=self._timeout())
+        self.control.post("groups_prepared", rank=self.rank, generation=generation,
+                          time=time.time(), build_s=delta.build_s,
+                          rebuilt=len(delta.replacements), kept=len(delta.kept))
+        return delta
+
+    def _timeout(self) -> timedelta:
+        return timedelta(seconds=self.settings.collective_timeout_s)
 
     @contextlib.contextmanager
     def building(self) -> Iterator[None]:
@@ -203,8 +248,13 @@ class MegatronResilience:
             self._applied = load()
             return self._applied
         started = time.time()
-        target = self._agree_on_iteration(contribute=False)
+        self.control.post("prepared", rank=self.rank, standby=self.control.standby_id,
+                          time=started)
+        # After a crash the survivors agree on the iteration with the joiner; in a migration
+        # the iteration comes with the leaver's state.
+        target = None if self._joining_migration else self._agree_on_iteration(contribute=False)
         self._receive_state()
+        target = self._applied if target is None else target
         self.control.post("switched", rank=self.rank, role="joiner", time=time.time(),
                           build_s=time.time() - started)
         return target
@@ -216,6 +266,10 @@ class MegatronResilience:
         if self._watch is not None:
             self._watch.stop()
             self._watch = None
+        if self._next_groups is not None:  # a migration cancelled before its switch
+            delta, self._next_groups = self._next_groups.result(), None
+            if delta is not None:
+                discard_delta(delta)
 
     # -- the step -------------------------------------------------------------------------
 
@@ -269,7 +323,7 @@ class MegatronResilience:
         started = time.time()
         self._advance_generation()
         plan = self.control.wait_for_plan(self.generation)
-        replaced = self._rebuild_groups()
+        replaced = self._rebuild_groups({item["rank"] for item in plan["replacements"]})
         self.progress.generation = self.generation
         target = self._agree_on_iteration(contribute=True)
         self._settle_iteration(target, snapshot)
@@ -289,12 +343,17 @@ class MegatronResilience:
         plan = self.control.wait_for_plan(self.generation + 1)
         if any(item["rank"] == self.rank for item in plan["replacements"]):
             self._hand_over(plan["generation"])
+        preparation, self._next_groups = self._next_groups, None
+        if preparation is None:
+            raise LaunchError(f"rank {self.rank}: switch to generation {plan['generation']} "
+                              "without its groups prepared")
+        delta = preparation.result()
         self._advance_generation()
         # The step that just ended is reported in the old generation; the next one in this.
-        replaced = self._rebuild_groups()
-        self._agree_on_iteration(contribute=True)
+        replaced = self._install_groups(delta)
         self.control.post("switched", rank=self.rank, role="stayer", time=time.time(),
-                          switch_s=time.time() - started, references=replaced)
+                          switch_s=time.time() - started, references=replaced,
+                          rebuilt=len(delta.replacements), kept=len(delta.kept))
 
     def _advance_generation(self) -> None:
         self.generation += 1
@@ -304,20 +363,26 @@ class MegatronResilience:
         self._watch.follow(self.generation)
         self._switch_requested = self._switch_agreed = False
 
-    def _rebuild_groups(self) -> int:
-        """Replaces every process group by this generation's; returns how many cached
-        references to the old ones were rewritten."""
+    def _rebuild_groups(self, lost: set[int]) -> int:
+        """After a crash: rebuilds this generation's groups that contain a lost rank or that
+        some member left in the middle of an operation, and keeps the others; returns how many
+        cached references to the old ones were rewritten."""
+        store = self.control.generation_store(self.generation)
+        candidates = {name: entry for name, entry in member_groups().items()
+                      if not entry[1].is_default and not lost & set(entry[1].global_ranks)}
+        unsettled = agree_on_idle_groups(store, candidates, timeout=self._timeout())
+        delta = prepare_delta(store, lost, timeout=self._timeout(), unsettled=unsettled)
+        return self._install_groups(delta)
+
+    def _install_groups(self, delta: PreparedDelta) -> int:
+        """Puts the next generation's groups in place; returns how many cached references
+        to replaced groups were rewritten (``parallel_state``, model, DDP, optimizer)."""
         from megatron.core import parallel_state
 
-        old_groups = _megatron_groups()
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
         clear_alarm()
-        self._init_groups()
-        new_groups = _megatron_groups()
-        return rewire([self._model, self._optimizer, self._scheduler],
-                      {id(old_groups[name]): group for name, group in new_groups.items()
-                       if name in old_groups})
+        replaced = install_delta(delta)
+        return (rewire_module_globals(parallel_state, replaced)
+                + rewire([self._model, self._optimizer, self._scheduler], replaced))
 
     def _hand_over(self, generation: int) -> None:
         """The leaver's end: its state goes to the joiner, then the process exits."""
@@ -408,15 +473,25 @@ def _exit_now() -> None:
     os._exit(0)
 
 
-def _megatron_groups() -> dict[str, Any]:
-    """Every process group ``parallel_state`` holds, by name, plus the default group."""
-    from megatron.core import parallel_state
+class _GroupPreparation:
+    """Runs a stayer's phase-1 group building in a thread of its own; :meth:`result` joins it
+    and returns its prepared groups (None at a leaving rank), or raises its error."""
 
-    groups: dict[str, Any] = {"WORLD": dist.distributed_c10d._get_default_group()}
-    for name, value in vars(parallel_state).items():
-        if isinstance(value, dist.ProcessGroup):
-            groups[name] = value
-        elif isinstance(value, list) and value and all(isinstance(v, dist.ProcessGroup)
-                                                       for v in value):
-            groups.update({f"{name}[{i}]": v for i, v in enumerate(value)})
-    return groups
+    def __init__(self, build: Callable[[], Optional[PreparedDelta]]) -> None:
+        self._build = build
+        self._delta: Optional[PreparedDelta] = None
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, name="mover-prepare", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._delta = self._build()
+        except BaseException as error:  # noqa: BLE001 - handed to the caller of result()
+            self._error = error
+
+    def result(self) -> Optional[PreparedDelta]:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._delta

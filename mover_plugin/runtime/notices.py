@@ -1,8 +1,9 @@
 """The controller's notices to a worker, relayed by the agent on its host.
 
 The controller posts a notice for a generation (``alarm``: a rank is lost, leave the step you
-are in; ``switch``: a planned switch to the next generation; ``retire``: the generation is
-over) as a command; every agent reads its commands anyway and writes the notice as one JSON
+are in; ``prepare``: a planned migration begins, build your part of the next generation's
+groups; ``switch``: switch to the next generation at the next iteration boundary; ``retire``:
+the generation is over) as a command; every agent reads its commands anyway and writes the notice as one JSON
 line into each local process's notice pipe, whose read end the process inherited
 (``MOVER_NOTICE_FD``). The control store thus serves one reader per host, not one per rank,
 and a worker waits on a local pipe: a :class:`NoticeWatcher` thread blocks in ``select`` on
@@ -26,7 +27,7 @@ from typing import Any, Callable, Optional
 logger = logging.getLogger(__name__)
 
 NOTICE_FD_ENV = "MOVER_NOTICE_FD"
-NOTICE_KINDS = ("alarm", "switch", "retire")
+NOTICE_KINDS = ("alarm", "prepare", "switch", "retire")
 
 
 def encode_notice(notice: dict[str, Any]) -> bytes:
@@ -42,14 +43,18 @@ class NoticeWatcher:
         generation: the generation followed at first.
         on_alarm: called with the reason when the followed generation gets an alarm.
         on_switch: called when the followed generation gets a planned switch.
+        on_prepare: called when a planned migration of the followed generation begins (in the
+            watcher's thread: it must not block).
     """
 
     def __init__(self, fd: int, generation: int, on_alarm: Callable[[str], None],
-                 on_switch: Callable[[], None]) -> None:
+                 on_switch: Callable[[], None],
+                 on_prepare: Callable[[], None] = lambda: None) -> None:
         self._fd = fd
         self._generation = generation
         self._on_alarm = on_alarm
         self._on_switch = on_switch
+        self._on_prepare = on_prepare
         self._lock = threading.Lock()
         self._wake_read, self._wake_write = os.pipe()
         self._thread = threading.Thread(target=self._run, name="mover-notices", daemon=True)
@@ -57,10 +62,11 @@ class NoticeWatcher:
 
     @classmethod
     def from_env(cls, generation: int, on_alarm: Callable[[str], None],
-                 on_switch: Callable[[], None]) -> Optional["NoticeWatcher"]:
+                 on_switch: Callable[[], None],
+                 on_prepare: Callable[[], None] = lambda: None) -> Optional["NoticeWatcher"]:
         """The watcher of a process started by ``mover-launch``; None for any other."""
         raw = os.environ.get(NOTICE_FD_ENV)
-        return cls(int(raw), generation, on_alarm, on_switch) if raw else None
+        return cls(int(raw), generation, on_alarm, on_switch, on_prepare) if raw else None
 
     @property
     def generation(self) -> int:
@@ -111,3 +117,5 @@ class NoticeWatcher:
                 self._on_alarm(notice.get("reason", "alarm"))
             elif notice["kind"] == "switch":
                 self._on_switch()
+            elif notice["kind"] == "prepare":
+                self._on_prepare()

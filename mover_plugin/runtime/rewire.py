@@ -22,6 +22,17 @@ _LEAF_TYPES = (str, bytes, int, float, bool, complex, type(None), torch.Tensor, 
                types.BuiltinFunctionType, types.MethodType)
 
 
+def rewire_module_globals(module: types.ModuleType, replacements: dict[int, Any]) -> int:
+    """Like :func:`rewire` for a module's global variables (e.g. Megatron-Core's
+    ``parallel_state``, which holds its groups in module globals and lists)."""
+    namespace = vars(module)
+    values = {name: value for name, value in namespace.items()
+              if not name.startswith("__") and not isinstance(value, _LEAF_TYPES)}
+    count = rewire([values], replacements)
+    namespace.update(values)
+    return count
+
+
 def rewire(roots: Iterable[Any], replacements: dict[int, Any]) -> int:
     """Replaces, in place, every reference to ``old`` by ``replacements[id(old)]``.
 

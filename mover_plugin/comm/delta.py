@@ -1,0 +1,238 @@
+"""Delta communicators: at a generation switch, only the groups that contain a changed rank
+are rebuilt.
+
+A newcomer takes the global rank of the process it replaces, so every group keeps its member
+list; only a group that contains a replaced rank needs a new communicator. A process of the
+new generation (a promoted standby) builds its groups the ordinary way —
+``init_process_group`` and ``new_group`` (Megatron-Core's ``initialize_model_parallel``) on
+the new generation's store. A process that stays builds, for each of its groups that contains a
+replaced rank, a new group that meets the newcomer's in the same store keys (c10d's prefix
+scheme, mirrored by :func:`rendezvous_store`), and registers it with c10d in the old group's
+place under the same name: ``get_rank(group)``, ``get_global_rank``, point-to-point by global
+rank and the functional collectives' name registry all see the new group. Every other group,
+and its connections, is kept.
+
+The default group holds every rank, so every rank rebuilds it. Groups connect lazily (see
+:class:`~mover_plugin.comm.process_group.MoverProcessGroup`): building one never waits for its
+members, and the default group costs a rank about the same at any world size.
+
+After a crash a kept group may have been left in the middle of an operation: the survivors
+were pulled out of whatever they waited in. Such a group is reused only if it is idle on every
+member (all operations issued there completed, which means all members issued the same ones);
+:func:`agree_on_idle_groups` establishes that through the store, one round per group, and the
+others are rebuilt like the groups of the lost rank.
+
+Typical use at a stayer, generation ``g`` to ``g + 1`` with rank 3 replaced::
+
+    delta = prepare_delta(store_of_generation(g + 1), changed={3}, timeout=timeout)
+    ...                                   # (in the background during a planned migration)
+    replaced = install_delta(delta)       # {id(old group): new group}, for rewiring references
+
+This module uses c10d's private world maps of torch 2.13 (checked by :func:`check_c10d`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Collection, Mapping, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+from torch.distributed import PrefixStore, Store
+
+from mover_plugin.comm.errors import CommAborted
+from mover_plugin.comm.process_group import BACKEND_NAME, MoverProcessGroup
+
+logger = logging.getLogger(__name__)
+
+_C10D_NAMES = ("_world", "_register_process_group", "_unregister_process_group",
+               "_update_default_pg", "_get_default_group")
+_DEVICE_PREFIX = "cpu/"
+"""c10d hands a plugin backend's creator the store of the first device in the backend's
+capability list; ``mover`` declares ``cpu`` first (see mover_plugin.comm.backend)."""
+
+
+class DeltaError(CommAborted):
+    """The groups of the next generation could not be prepared or installed."""
+
+
+def check_c10d() -> None:
+    """Raises :class:`DeltaError` if this torch lacks the c10d internals used here."""
+    missing = [name for name in _C10D_NAMES if not hasattr(c10d, name)]
+    if missing:
+        raise DeltaError(f"torch {torch.__version__} lacks c10d's {', '.join(missing)}: the "
+                         "delta communicators were written for torch 2.13")
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    """One group this process is a member of, as c10d knows it."""
+
+    name: str
+    global_ranks: tuple[int, ...]
+    is_default: bool
+
+
+def replaced_group_names(groups: Sequence[GroupInfo], changed: Collection[int],
+                         unsettled: Collection[str] = ()) -> list[str]:
+    """The names of the groups to rebuild: those holding a changed rank, the default group
+    whenever any rank changed, and the ``unsettled`` ones (not idle on every member)."""
+    changed = set(changed)
+    unsettled = set(unsettled)
+    return [g.name for g in groups
+            if g.name in unsettled or (changed and (g.is_default or changed & set(g.global_ranks)))]
+
+
+def member_groups() -> dict[str, tuple[Any, GroupInfo]]:
+    """Every group this process is a member of (the default group included), by c10d name."""
+    world = c10d._world
+    default = c10d._get_default_group()
+    groups = {}
+    for group, name in world.pg_names.items():
+        if group is None or group == dist.GroupMember.NON_GROUP_MEMBER:
+            continue
+        ranks = world.pg_group_ranks.get(group, {})
+        ordered = tuple(sorted(ranks, key=ranks.__getitem__))
+        groups[name] = (group, GroupInfo(name, ordered, group is default))
+    return groups
+
+
+def rendezvous_store(generation_store: Store, name: str, default_name: str) -> Store:
+    """The store c10d gives a group named ``name``'s backend when the default group (named
+    ``default_name``) was initialized on ``generation_store``: ``"{default}/"`` for the
+    default group, ``"{default}/{name}/"`` for the others, then the device prefix."""
+    store = PrefixStore(f"{default_name}/", generation_store)
+    if name != default_name:
+        store = PrefixStore(f"{name}/", store)
+    return PrefixStore(_DEVICE_PREFIX, store)
+
+
+@dataclass
+class PreparedDelta:
+    """Groups of the next generation built but not yet in use, and the old ones they replace."""
+
+    replacements: dict[str, tuple[Any, MoverProcessGroup]] = field(default_factory=dict)
+    """By c10d name: (the group in use, its replacement)."""
+    kept: list[str] = field(default_factory=list)
+    """Names of the groups that stay as they are."""
+    build_s: float = 0.0
+
+
+def prepare_delta(generation_store: Store, changed: Collection[int], *, timeout: timedelta,
+                  unsettled: Collection[str] = ()) -> PreparedDelta:
+    """Builds this process's replacement groups for the next generation (it blocks until the
+    members of each eagerly connected group have built theirs). Nothing in use changes."""
+    check_c10d()
+    started = time.perf_counter()
+    groups = member_groups()
+    default_name = c10d._world.pg_names[c10d._get_default_group()]
+    names = set(replaced_group_names([info for _, info in groups.values()], changed, unsettled))
+    delta = PreparedDelta(kept=sorted(set(groups) - names, key=_name_order))
+    rank = dist.get_rank()
+    foreign = sorted(name for name in names if not isinstance(groups[name][0], MoverProcessGroup))
+    if foreign:
+        raise DeltaError(f"groups {foreign} do not use the {BACKEND_NAME!r} backend; only its "
+                         "groups can be replaced (create every group with it, e.g. Megatron's "
+                         "initialize_model_parallel(create_gloo_process_groups=False))")
+    try:
+        for name in sorted(names, key=_name_order):
+            old, info = groups[name]
+            delta.replacements[name] = (old, MoverProcessGroup(
+                rendezvous_store(generation_store, name, default_name),
+                info.global_ranks.index(rank) if not info.is_default else rank,
+                len(info.global_ranks), timeout, group_name=name,
+                global_ranks=list(info.global_ranks) if not info.is_default else (),
+                lazy_connect=True,
+            ))
+    except Exception as error:
+        discard_delta(delta)
+        raise DeltaError(f"could not build the next generation's groups: {error}") from error
+    delta.build_s = time.perf_counter() - started
+    logger.debug("prepared %d replacement group(s) in %.3f s; keeping %d",
+                 len(delta.replacements), delta.build_s, len(delta.kept))
+    return delta
+
+
+def discard_delta(delta: PreparedDelta) -> None:
+    """Releases replacement groups that will not be installed."""
+    for _, new in delta.replacements.values():
+        new.shutdown()
+    delta.replacements.clear()
+
+
+def install_delta(delta: PreparedDelta) -> dict[int, Any]:
+    """Puts each replacement in its old group's place in c10d and revives the kept groups;
+    returns ``{id(old): new}`` for rewriting cached references
+    (:func:`mover_plugin.runtime.rewire.rewire`). The old groups are shut down."""
+    world = c10d._world
+    replaced: dict[int, Any] = {}
+    for name, (old, new) in delta.replacements.items():
+        _register_in_place(world, name, old, new)
+        replaced[id(old)] = new
+        if old is not None and hasattr(old, "shutdown"):
+            old.shutdown()
+    for name in delta.kept:
+        group = _group_named(world, name)
+        if isinstance(group, MoverProcessGroup):
+            group.revive()
+    return replaced
+
+
+def _register_in_place(world: Any, name: str, old: Any, new: MoverProcessGroup) -> None:
+    _, store = world.pg_map[old]
+    world.pg_map[new] = (BACKEND_NAME, store)
+    world.pg_names[new] = name
+    world.pg_group_ranks[new] = dict(world.pg_group_ranks[old])
+    world.pg_backend_config[new] = world.pg_backend_config[old]
+    tag = world.pg_to_tag.get(old)
+    if tag is not None:
+        world.pg_to_tag[new] = tag
+    for members in world.tags_to_pg.values():
+        for index, group in enumerate(members):
+            if group is old:
+                members[index] = new
+    for table in (world.pg_map, world.pg_names, world.pg_group_ranks, world.pg_backend_config,
+                  world.pg_to_tag, world.pg_coalesce_state):
+        table.pop(old, None)
+    c10d._unregister_process_group(name)
+    c10d._register_process_group(name, new)
+    if c10d._get_default_group() is old:
+        c10d._update_default_pg(new)
+
+
+def _group_named(world: Any, name: str) -> Optional[Any]:
+    return next((group for group, value in world.pg_names.items() if value == name), None)
+
+
+def _name_order(name: str) -> tuple[int, str]:
+    return (int(name), name) if name.isdigit() else (1 << 30, name)
+
+
+def agree_on_idle_groups(store: Store, kept_candidates: Mapping[str, tuple[Any, GroupInfo]],
+                         *, timeout: timedelta, drain_s: float = 0.1) -> list[str]:
+    """After an alarm: which of these groups (none holds a lost rank) are *not* idle on every
+    member. Each member waits up to ``drain_s`` for operations still completing, posts whether
+    the group is idle on its side under ``store``, and reads its fellow members' answers (one
+    ``multi_get`` per group). Every member of a group reaches the same answer."""
+    deadline = time.monotonic() + drain_s
+    groups = {name: group for name, (group, _) in kept_candidates.items()}
+    while time.monotonic() < deadline and not all(_is_idle(g) for g in groups.values()):
+        time.sleep(0.005)
+    rank = dist.get_rank()
+    for name, group in groups.items():
+        store.set(f"idle/{name}/{rank}", "1" if _is_idle(group) else "0")
+    unsettled = []
+    for name, (_, info) in kept_candidates.items():
+        keys = [f"idle/{name}/{member}" for member in info.global_ranks]
+        store.wait(keys, timeout)
+        if any(value != b"1" for value in store.multi_get(keys)):
+            unsettled.append(name)
+    return unsettled
+
+
+def _is_idle(group: Any) -> bool:
+    return isinstance(group, MoverProcessGroup) and group.idle
