@@ -15,8 +15,7 @@ The same Megatron-Core job (examples/pretrain_gpt.py, TP1 x PP2 x DP2 on 4 CPU p
 Printed, from this one run: downtime per way (by the run summary: from the end of the last
 step before the move to the end of the first step after it, less one step time), the ratio
 (goal: >= 30x), the migration's phases, its state transfer time, and whether the migration's
-downtime stays within one step time plus the state transfer time (the goal; a full rebuild of
-every process group is part of each switch until the delta communicators land).
+downtime stays within one step time plus the state transfer time (the goal).
 
 Usage::
 

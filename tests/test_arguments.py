@@ -53,3 +53,15 @@ def test_checking_flags_imports_neither_torch_nor_megatron():
         "sorted(m for m in sys.modules if m.startswith(('torch', 'megatron')))[:5]"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_resilient_implies_no_plain_gloo_groups():
+    from mover_plugin.runtime.settings import add_resilience_args
+
+    plain = parse_args([], world_size=1, extra_args_provider=add_resilience_args)
+    assert plain.enable_gloo_process_groups is True
+    assert parse_args(["--disable-gloo-process-groups"],
+                      world_size=1).enable_gloo_process_groups is False
+    resilient = parse_args(["--resilient"], world_size=1,
+                           extra_args_provider=add_resilience_args)
+    assert resilient.enable_gloo_process_groups is False
