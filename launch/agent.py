@@ -118,6 +118,7 @@ class Worker:
     def progress_fields(self) -> dict[str, Any]:
         return {
             "rank": self.rank,
+            "standby": self.standby,
             "step_begun": self.step_begun,
             "step_completed": self.step_completed,
             "last_step_end": self.last_step_end,
@@ -193,6 +194,8 @@ class Agent:
             self._relay(command)
         elif op == "cancel_promotion":
             self._cancel_promotion(command["standby"], command["rank"])
+        elif op == "discard_leaver":
+            self._discard_leaver(command["rank"])
         elif op == "generation":
             self._generation = command["generation"]
             for worker in self._workers:
@@ -280,6 +283,15 @@ class Agent:
             if worker.rank == rank:
                 worker.leaving = False
 
+    def _discard_leaver(self, rank: int) -> None:
+        """A migration that failed in its phase 2: the process leaving ``rank`` is stopped
+        (its state is taken from a data-parallel twin instead) and forgotten."""
+        leavers = [w for w in self._workers if w.rank == rank and w.leaving]
+        stop_processes([w.process for w in leavers if not w.exited], 0.0)
+        for worker in leavers:
+            self._close_pipe(worker)
+            self._workers.remove(worker)
+
     def _worker_env(
         self, rank: Optional[int], local_rank: Optional[int], attempt: int, store_port: int,
         progress_fd: int,
@@ -364,7 +376,7 @@ class Agent:
         for migration in [m for m in self._pending_migrations
                           if m.rank == worker.rank and m.step <= step]:
             self._pending_migrations.remove(migration)
-            self._post("migration_due", rank=worker.rank, step=step)
+            self._post("migration_due", rank=worker.rank, step=step, fault=migration.fault)
         due = [i for i in self._pending_injections if i.rank == worker.rank and i.step <= step]
         if not due:
             return

@@ -39,13 +39,25 @@ class FailureInjection:
 
 @dataclass(frozen=True)
 class MigrationInjection:
-    """Ask the controller to migrate global ``rank`` when its worker begins ``step``."""
+    """Ask the controller to migrate global ``rank`` when its worker begins ``step``; with a
+    ``fault``, a process of the migration is killed (SIGKILL) at a set point of it:
+    ``joiner`` — the joiner, in phase 1 once its model is built; ``leaver`` — the leaving
+    process, in phase 2 once the hand-over group is open, before its state is sent;
+    ``stayer=S`` — rank S, in phase 2 right after it switched to the new groups."""
 
     rank: int
     step: int
+    fault: Optional[str] = None
 
     def spec(self) -> str:
-        return f"{self.rank}:{self.step}"
+        return f"{self.rank}:{self.step}" + (f":{self.fault}" if self.fault else "")
+
+    @property
+    def stayer(self) -> Optional[int]:
+        """The staying rank a ``stayer=S`` fault kills, if any."""
+        if self.fault is None or not self.fault.startswith("stayer="):
+            return None
+        return int(self.fault.partition("=")[2])
 
 
 @dataclass(frozen=True)
@@ -141,9 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
         "Repeatable; each fires once. With standbys it fires only once every standby is "
         "ready: at STEP or, if they are not ready by then, at the first step after.")
     add("--inject-migration", dest="inject_migration", action="append", default=[],
-        type=_migration_argument, metavar="RANK:STEP",
+        type=_migration_argument, metavar="RANK:STEP[:FAULT]",
         help="Migrate global RANK to a standby when it begins STEP, as 'mover migrate --rank "
-        "RANK' would (resilient policy). Repeatable; armed like --inject-failure.")
+        "RANK' would (resilient policy). Repeatable; armed like --inject-failure. FAULT kills "
+        "a process of the migration with SIGKILL: 'joiner' (in phase 1, once its model is "
+        "built), 'leaver' (in phase 2, before its state is sent) or 'stayer=S' (rank S, in "
+        "phase 2, right after it switched).")
     add("--summary", default=None, metavar="PATH", help="Write a JSON run summary to PATH.")
     add("--stop-grace-s", type=_positive_float, default=5.0,
         help="Seconds between SIGTERM and SIGKILL when stopping workers (default 5).")
@@ -174,6 +189,11 @@ def parse_launch_args(argv: Sequence[str], python: str) -> LaunchConfig:
                     f"{flag} {injection.spec()}: rank {injection.rank} does not exist; "
                     f"the job has ranks 0..{world_size - 1}"
                 )
+    for injection in args.inject_migration:
+        stayer = injection.stayer
+        if stayer is not None and stayer >= world_size:
+            raise ConfigError(f"--inject-migration {injection.spec()}: rank {stayer} does not "
+                              f"exist; the job has ranks 0..{world_size - 1}")
     if args.inject_migration and args.policy != "resilient":
         raise ConfigError(f"--inject-migration {args.inject_migration[0].spec()} needs "
                           "--policy resilient (migration moves a rank to a standby)")
@@ -219,11 +239,29 @@ def _injection_argument(text: str) -> FailureInjection:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+MIGRATION_FAULTS = ("joiner", "leaver", "stayer=S")
+
+
 def _migration_argument(text: str) -> MigrationInjection:
     parts = text.split(":")
-    if len(parts) != 2 or not all(part.isdigit() for part in parts) or int(parts[1]) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not RANK:STEP with STEP >= 1 (e.g. 1:4)")
-    return MigrationInjection(int(parts[0]), int(parts[1]))
+    if (len(parts) not in (2, 3) or not all(part.isdigit() for part in parts[:2])
+            or int(parts[1]) < 1):
+        raise argparse.ArgumentTypeError(f"{text!r} is not RANK:STEP[:FAULT] with STEP >= 1 "
+                                         "(e.g. 1:4 or 1:4:leaver)")
+    rank, step = int(parts[0]), int(parts[1])
+    fault = parts[2] if len(parts) == 3 else None
+    if fault is not None and not _is_migration_fault(fault, rank):
+        raise argparse.ArgumentTypeError(
+            f"fault {fault!r} in {text!r} is not one of {', '.join(MIGRATION_FAULTS)} (S: a "
+            f"staying rank, not {rank})")
+    return MigrationInjection(rank, step, fault)
+
+
+def _is_migration_fault(fault: str, rank: int) -> bool:
+    if fault in ("joiner", "leaver"):
+        return True
+    name, _, value = fault.partition("=")
+    return name == "stayer" and value.isdigit() and int(value) != rank
 
 
 def _signal(name: str, text: str) -> int:

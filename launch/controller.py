@@ -57,6 +57,7 @@ from mover_plugin.launch.protocol import (
     REQUESTS_MAILBOX,
     plan_key,
     promotion_key,
+    successor_key,
     request_done_key,
     request_reply_key,
 )
@@ -93,6 +94,8 @@ class _Migration:
     duration."""
     handed_over: set[int] = field(default_factory=set)
     switch_posted: bool = False
+    deferred: list[dict[str, Any]] = field(default_factory=list)
+    """Failures of staying ranks during phase 2, recovered once the hand-over completes."""
     before: tuple[Membership, dict[int, int]] = field(
         default_factory=lambda: (Membership(0, {}), {}))
     """The membership and the ranks' nodes before, restored if the migration is cancelled."""
@@ -122,6 +125,8 @@ class Controller:
         self._node_of_rank = {r: n.node_rank for n in config.nodes for r in n.ranks}
         self._attempt = -1
         self._generation = -1
+        self._last_generation = -1
+        """The highest generation number planned so far (a cancelled one is never reused)."""
         self._membership = Membership(0, {})
         self._pool = StandbyPool()
         self._attempt_store: Optional[dist.TCPStore] = None
@@ -178,7 +183,7 @@ class Controller:
     def _start_attempt(self, attempt: int) -> None:
         self._attempt = attempt
         self._reset_attempt_state()
-        self._begin_generation(self._generation + 1)
+        self._begin_generation(self._last_generation + 1)
         self._membership = Membership(self._generation, {r: f"a{attempt}.r{r}" for r in
                                                          range(self.config.world_size)})
         self._pool = StandbyPool()
@@ -194,10 +199,20 @@ class Controller:
 
     def _begin_generation(self, generation: int) -> None:
         self._generation = generation
+        self._last_generation = max(self._last_generation, generation)
         self._store.set(CURRENT_GENERATION_KEY, str(generation))
         self._ready: dict[int, float] = {}
         self._first_step: dict[int, float] = {}
         self._switched: dict[int, float] = {}
+
+    def _plan_generation(self, record: dict[str, Any]) -> int:
+        """Starts the generation after the current one with ``record`` as its plan, and
+        tells the current one's processes which generation follows theirs."""
+        old, new = self._generation, self._last_generation + 1
+        self._begin_generation(new)
+        self._store.set(plan_key(new), json.dumps({"generation": new, **record}))
+        self._store.set(successor_key(old), str(new))
+        return old
 
     def _reset_attempt_state(self) -> None:
         self._failed = False
@@ -243,6 +258,12 @@ class Controller:
                 self._cancel_migration(f"rank {event['rank']} finished training before the "
                                        "switch")
             return None
+        if event.get("standby") is not None and (
+                self._membership.members.get(event["rank"]) != event["standby"]):
+            # A joiner stopped after its migration failed, exiting before it was reaped.
+            self.log.write("discarded_exit", "migrate", generation=self._generation,
+                           rank=event["rank"], standby=event["standby"], how=event["how"])
+            return None
         if self._failed:  # a restart of this attempt is under way already
             logger.info("rank %d also exited (%s)", event["rank"], event["how"])
             return None
@@ -254,22 +275,29 @@ class Controller:
         self._hung.add(event["rank"])
         return None
 
-    def _on_failure(self, event: dict[str, Any]) -> Optional[int]:
+    def _on_failure(self, event: dict[str, Any], *, leaver: bool = False) -> Optional[int]:
         rank = event["rank"]
+        lost = [rank]
+        if self._migration is not None:
+            outcome = self._failure_during_migration(event, leaver)
+            if outcome == "handled":
+                return None
+            lost = outcome if isinstance(outcome, list) else lost
         interruption = self._record_failure(event)
         self.log.write("worker_failed", "detect", generation=self._generation, rank=rank,
-                       when=event["time"], how=event["how"], step=event["step_begun"])
+                       when=event["time"], how=event["how"], step=event["step_begun"],
+                       leaver=leaver or None)
         logger.warning("rank %d failed at step %d (%s)", rank, event["step_begun"], event["how"])
         if self._migration is not None:
             reason = (f"rank {rank} failed during the migration of rank(s) "
-                      f"{self._migration.ranks} (recovery within a migration is not supported "
-                      "yet)")
+                      f"{self._migration.ranks} before every rank had ended the iteration of "
+                      "the switch (recovery in that window is not supported yet)")
             self._end_migration(ok=False, error=reason)
             self.log.write("fallback", "fallback", generation=self._generation, rank=rank,
                            reason=reason)
             logger.warning("falling back to a restart: %s", reason)
         elif self.config.policy == "resilient":
-            plan = plan_recovery([rank], self._layout(), self._pool, self._node_of_rank)
+            plan = plan_recovery(lost, self._layout(), self._pool, self._node_of_rank)
             if not isinstance(plan, Fallback):
                 self._switch_generation(plan, interruption)
                 return None
@@ -285,13 +313,55 @@ class Controller:
         self._commands.post({"op": "stop", "attempt": self._attempt})
         return None
 
+    def _failure_during_migration(self, event: dict[str, Any],
+                                  leaver: bool) -> "str | list[int] | None":
+        """A process died while a migration was under way. Returns ``"handled"`` (the job goes
+        on without a recovery now), the ranks to recover with standbys (the migration was
+        called off or abandoned), or None (the restart baseline)."""
+        migration = self._migration
+        rank, moving = event["rank"], event["rank"] in migration.ranks
+        if not migration.switch_posted:  # phase 1: every rank still trains in the old generation
+            joiner = moving and not leaver
+            self._cancel_migration(f"{'the joiner of ' if joiner else ''}rank {rank} was lost "
+                                   f"in phase 1 ({event['how']})", failed=True)
+            if joiner:
+                self.log.write("joiner_lost", "migrate", generation=self._generation,
+                               rank=rank, when=event["time"], how=event["how"])
+                return "handled"
+            return [rank]
+        if len(migration.handed_over) == len(migration.plan):
+            self._end_migration(ok=True)  # the ranks had moved; this is an ordinary failure
+            return [rank]
+        if moving:  # phase 2, a leaver or joiner before the hand-over completed
+            if leaver and rank not in migration.boundary:
+                return None  # the others may wait for it inside the switch iteration
+            self._abandon_migration(f"the {'leaver' if leaver else 'joiner'} of rank {rank} "
+                                    f"was lost before the hand-over ({event['how']}); the "
+                                    "rank is recovered from a data-parallel twin")
+            return [r for r in migration.ranks if r not in migration.handed_over]
+        if rank in migration.boundary:  # a staying rank that ended the switch iteration
+            migration.deferred.append(event)
+            self.log.write("failure_deferred", "migrate", generation=self._generation,
+                           rank=rank, when=event["time"],
+                           reason="recovered once the hand-over in progress completes")
+            return "handled"
+        return None
+
+    def _abandon_migration(self, reason: str) -> None:
+        """Phase 2 failed: the leavers and joiners of ranks not yet handed over are stopped."""
+        migration = self._migration
+        for item in migration.plan:
+            if item.rank not in migration.handed_over:
+                self._commands.post({"op": "discard_leaver", "rank": item.rank})
+                self._commands.post({"op": "cancel_promotion", "standby": item.standby,
+                                     "rank": item.rank})
+        self._end_migration(ok=False, error=f"abandoned: {reason}")
+        logger.warning("migration abandoned: %s", reason)
+
     def _switch_generation(self, plan: list, interruption: Interruption) -> None:
-        old = self._generation
         self._membership = self._membership.next_generation(plan)
-        self._begin_generation(old + 1)
-        record = {"generation": self._generation, "world_size": self.config.world_size,
-                  "replacements": [vars(item) for item in plan]}
-        self._store.set(plan_key(self._generation), json.dumps(record))
+        old = self._plan_generation({"world_size": self.config.world_size,
+                                     "replacements": [vars(item) for item in plan]})
         self._notify(old, "alarm", reason=f"rank {interruption.rank} lost")
         self._promote(plan, migration=False)
         now = time.time()
@@ -393,8 +463,8 @@ class Controller:
 
     def _note_left(self, item: Interruption) -> None:
         """Copies the survivors' leave times of the interrupted generation into ``item``."""
-        if item.recovery != "standby":
-            return
+        if item.recovery != "standby" or "failed" not in item.times:
+            return  # not a crash (a migration's ranks can also leave a step, see below)
         failed = item.times["failed"]
         item.left_s = {rank: when - failed
                        for rank, when in self._left.get(item.generation - 1, {}).items()}
@@ -490,11 +560,12 @@ class Controller:
         if isinstance(plan, Fallback):
             raise _Rejected(f"no free standby: {plan.reason}; start the job with more "
                             "--standbys or wait for one to be ready")
-        self._begin_migration(request["id"], plan)
+        self._begin_migration(request["id"], plan, request.get("fault"))
         return {"ok": True, "ranks": ranks, "standbys": [item.standby for item in plan],
                 "generation": self._generation}
 
-    def _begin_migration(self, request_id: str, plan: list[Replacement]) -> None:
+    def _begin_migration(self, request_id: str, plan: list[Replacement],
+                         fault: Optional[str] = None) -> None:
         old = self._generation
         now = time.time()
         interruption = Interruption(kind="migration", rank=plan[0].rank, step=0, how="planned",
@@ -506,10 +577,9 @@ class Controller:
         self._migration = _Migration(request_id, plan, old, interruption,
                                      before=(self._membership, dict(self._node_of_rank)))
         self._membership = self._membership.next_generation(plan)
-        self._begin_generation(old + 1)
-        record = {"generation": self._generation, "world_size": self.config.world_size,
-                  "kind": "migration", "replacements": [vars(item) for item in plan]}
-        self._store.set(plan_key(self._generation), json.dumps(record))
+        self._plan_generation({"world_size": self.config.world_size, "kind": "migration",
+                               "replacements": [vars(item) for item in plan],
+                               "fault": fault})
         self._promote(plan, migration=True)
         self._notify(old, "prepare")
         for item in plan:
@@ -587,6 +657,12 @@ class Controller:
                        transfer_s=event.get("transfer_s"))
         if len(migration.handed_over) == len(migration.plan):
             migration.interruption.mark("handed_over", event["time"])
+            if migration.deferred:
+                self._end_migration(ok=True)
+                for deferred in migration.deferred:
+                    outcome = self._on_failure(deferred)
+                    if outcome is not None:
+                        return outcome
         return None
 
     def _on_leaver_exit(self, event: dict[str, Any]) -> Optional[int]:
@@ -596,7 +672,7 @@ class Controller:
         if (migration is not None and event["rank"] in migration.ranks
                 and event["rank"] not in migration.handed_over):
             if event["returncode"] != 0:
-                return self._on_failure(event)
+                return self._on_failure(event, leaver=True)
             if not migration.boundary:
                 self._cancel_migration(f"rank {event['rank']} finished training before the "
                                        "switch")
@@ -605,8 +681,10 @@ class Controller:
                        when=event["time"], how=event["how"])
         return None
 
-    def _cancel_migration(self, reason: str) -> None:
-        """Training ended before the switch: the joiners are stopped, the ranks stay."""
+    def _cancel_migration(self, reason: str, *, failed: bool = False) -> None:
+        """Before the switch (training ended, or a process was lost in phase 1): the joiners
+        are stopped, the ranks stay, the processes stay in the old generation (the planned one
+        is skipped: its namespace is never reused)."""
         migration = self._migration
         if migration is None:
             return
@@ -614,16 +692,21 @@ class Controller:
             self._commands.post({"op": "cancel_promotion", "standby": item.standby,
                                  "rank": item.rank})
         self._membership, self._node_of_rank = migration.before
+        self._generation = migration.old_generation
+        self._store.set(CURRENT_GENERATION_KEY, str(self._generation))
+        self._commands.post({"op": "generation", "generation": self._generation})
         if self._interruption is migration.interruption:
             self._interruption = None
-        self.summary.interruptions.remove(migration.interruption)
+        if not failed:
+            self.summary.interruptions.remove(migration.interruption)
         self._end_migration(ok=False, error=f"cancelled: {reason}")
 
     def _on_migration_due(self, event: dict[str, Any]) -> Optional[int]:
         """An injected migration (``--inject-migration``) reached its step; it waits for an
         interruption in progress to end."""
         self._due_migrations.append({"op": "migrate", "ranks": [event["rank"]],
-                                     "id": f"injected-r{event['rank']}-s{event['step']}"})
+                                     "id": f"injected-r{event['rank']}-s{event['step']}",
+                                     "fault": event.get("fault")})
         self._start_due_migration()
         return None
 

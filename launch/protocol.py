@@ -3,6 +3,8 @@
 * ``gen/current`` — the current generation number;
 * ``gen{g}/...`` — generation ``g``'s namespace: its process groups rendezvous under it;
 * ``gen{g}/plan`` — how generation ``g`` was formed (JSON: replacements with their twins);
+* ``gen{g}/next`` — the generation that follows ``g`` (a planned generation that was
+  abandoned, e.g. a migration whose joiner died, is skipped, its namespace never reused);
 * ``gen{g}/handover/{rank}/`` — the two-process group over which the process that hands
   ``rank`` over (the leaver, or a data-parallel twin after a crash) sends its state to the
   process that takes it;
@@ -25,6 +27,10 @@ def generation_prefix(generation: int) -> str:
 
 def plan_key(generation: int) -> str:
     return f"gen{generation}/plan"
+
+
+def successor_key(generation: int) -> str:
+    return f"gen{generation}/next"
 
 
 def promotion_key(standby: str) -> str:

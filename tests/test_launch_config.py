@@ -85,7 +85,13 @@ def test_injection_forms():
         (["--nproc-per-node", "4", "--inject-migration", "1:2", "t.py"],
          "--inject-migration 1:2 needs --policy resilient"),
         (["--policy", "resilient", "--inject-migration", "1", "t.py"],
-         "'1' is not RANK:STEP with STEP >= 1"),
+         "'1' is not RANK:STEP[:FAULT] with STEP >= 1"),
+        (["--policy", "resilient", "--inject-migration", "1:2:sideways", "t.py"],
+         "fault 'sideways' in '1:2:sideways' is not one of joiner, leaver, stayer=S"),
+        (["--policy", "resilient", "--inject-migration", "1:2:stayer=1", "t.py"],
+         "(S: a staying rank, not 1)"),
+        (["--nproc-per-node", "4", "--policy", "resilient", "--inject-migration",
+          "1:2:stayer=7", "t.py"], "--inject-migration 1:2:stayer=7: rank 7 does not exist"),
     ],
 )
 def test_bad_launcher_flags(argv, message):

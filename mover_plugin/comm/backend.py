@@ -64,5 +64,4 @@ def _create_group(options: Any, backend_options: Any = None) -> MoverProcessGrou
         group_name=str(options.group_id),
         global_ranks=list(options.global_ranks_in_group),
         nccl_options=backend_options,
-        lazy_connect=True,  # see MoverProcessGroup: connections are made on first use
     )

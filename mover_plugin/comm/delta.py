@@ -12,9 +12,9 @@ place under the same name: ``get_rank(group)``, ``get_global_rank``, point-to-po
 rank and the functional collectives' name registry all see the new group. Every other group,
 and its connections, is kept.
 
-The default group holds every rank, so every rank rebuilds it. Groups connect lazily (see
-:class:`~mover_plugin.comm.process_group.MoverProcessGroup`): building one never waits for its
-members, and the default group costs a rank about the same at any world size.
+The default group holds every rank, so every rank rebuilds it (connecting to every peer:
+groups connect eagerly, see :class:`~mover_plugin.comm.process_group.MoverProcessGroup`). In a
+planned migration all of this happens in phase 1, while training goes on.
 
 After a crash a kept group may have been left in the middle of an operation: the survivors
 were pulled out of whatever they waited in. Such a group is reused only if it is idle on every
@@ -125,7 +125,7 @@ class PreparedDelta:
 def prepare_delta(generation_store: Store, changed: Collection[int], *, timeout: timedelta,
                   unsettled: Collection[str] = ()) -> PreparedDelta:
     """Builds this process's replacement groups for the next generation (it blocks until the
-    members of each eagerly connected group have built theirs). Nothing in use changes."""
+    members of each group have built theirs). Nothing in use changes."""
     check_c10d()
     started = time.perf_counter()
     groups = member_groups()
@@ -146,7 +146,6 @@ def prepare_delta(generation_store: Store, changed: Collection[int], *, timeout:
                 info.global_ranks.index(rank) if not info.is_default else rank,
                 len(info.global_ranks), timeout, group_name=name,
                 global_ranks=list(info.global_ranks) if not info.is_default else (),
-                lazy_connect=True,
             ))
     except Exception as error:
         discard_delta(delta)

@@ -21,13 +21,11 @@ it, NCCL communicators are aborted, and :meth:`MoverProcessGroup.shutdown` (call
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import threading
 import weakref
 from datetime import timedelta
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -86,27 +84,6 @@ def _make_nccl(store: Store, rank: int, size: int, timeout: timedelta,
     return dist.ProcessGroupNCCL(store, rank, size, options)
 
 
-_GLOO_LAZY_INIT = "TORCH_GLOO_LAZY_INIT"
-_connection_mode_lock = threading.Lock()
-
-
-@contextlib.contextmanager
-def _gloo_connection_mode(*, lazy: bool) -> Iterator[None]:
-    """``ProcessGroupGloo`` reads its connection mode from ``TORCH_GLOO_LAZY_INIT`` when it is
-    constructed (torch 2.13 has no option for it); this sets the variable for one
-    construction and restores it."""
-    with _connection_mode_lock:
-        previous = os.environ.get(_GLOO_LAZY_INIT)
-        os.environ[_GLOO_LAZY_INIT] = "1" if lazy else "0"
-        try:
-            yield
-        finally:
-            if previous is None:
-                del os.environ[_GLOO_LAZY_INIT]
-            else:
-                os.environ[_GLOO_LAZY_INIT] = previous
-
-
 class MoverProcessGroup(dist.ProcessGroup):
     """A process group whose operations can be abandoned; see the module docstring.
 
@@ -125,22 +102,22 @@ class MoverProcessGroup(dist.ProcessGroup):
             available.
         nccl_options: ``ProcessGroupNCCL.Options`` for the NCCL backend (e.g. the
             ``pg_options`` Megatron passes to ``new_group``); other values are ignored.
-        lazy_connect: gloo connects to a peer on the first operation that needs it rather
-            than to every peer at construction. The ``mover`` backend builds every group this
-            way: building a group never waits for its members, a rank connects only to the
-            peers it exchanges with (a ring all-reduce: two), and a rebuilt group costs a rank
-            about the same whatever the group's size.
+        abortable: whether the process-wide alarm aborts this group (``False`` for a group
+            outside the job's, such as a hand-over between two processes, which must finish
+            whatever happens to the others; a peer's death still ends its operations with an
+            error).
     """
 
     def __init__(self, store: Store, rank: int, size: int, timeout: timedelta, *,
                  group_name: str = "", global_ranks: Sequence[int] = (),
                  use_cuda: Optional[bool] = None, nccl_options: Any = None,
-                 lazy_connect: bool = False) -> None:
+                 abortable: bool = True) -> None:
         super().__init__(rank, size)
         self._label = group_name or "?"
         self._group_name = group_name
         self._group_desc = ""
         self._timeout = timeout
+        self._abortable = abortable
         self._epoch = alarm.current_epoch()
         self._abort_reason: Optional[str] = None
         self._failure: Optional[BaseException] = None
@@ -149,8 +126,9 @@ class MoverProcessGroup(dist.ProcessGroup):
         self._lock = threading.Lock()
         self._inflight: list[Any] = []  # observers of backend works, see work.observe
         ranks = list(global_ranks) or list(range(size))
-        with _gloo_connection_mode(lazy=lazy_connect):
-            gloo = dist.ProcessGroupGloo(PrefixStore("gloo/", store), rank, size, timeout)
+        # Connected eagerly: a peer lost before a lazy connection would block the operation's
+        # issuing call (not abortable) until the group's timeout.
+        gloo = dist.ProcessGroupGloo(PrefixStore("gloo/", store), rank, size, timeout)
         gloo.options.global_ranks_in_group = ranks
         gloo.options.group_name = group_name
         self._gloo: Optional[Any] = gloo
@@ -209,13 +187,13 @@ class MoverProcessGroup(dist.ProcessGroup):
 
     @property
     def epoch(self) -> int:
-        """The alarm epoch this group was created in."""
-        return self._epoch
+        """The alarm epoch this group belongs to (the current one if alarms do not abort it)."""
+        return self._epoch if self._abortable else alarm.current_epoch()
 
     @property
     def aborted(self) -> bool:
         """Whether the group was aborted (by an alarm after its creation, or explicitly)."""
-        return self._abort_reason is not None or alarm.current_epoch() != self._epoch
+        return self._abort_reason is not None or alarm.current_epoch() != self.epoch
 
     def pending_operations(self) -> int:
         """How many backend operations issued on this group have not completed."""
@@ -225,7 +203,7 @@ class MoverProcessGroup(dist.ProcessGroup):
     @property
     def usable(self) -> bool:
         """Whether operations may run (and waits go on) here; :meth:`check_usable` says why not."""
-        return (self._abort_reason is None and alarm.current_epoch() == self._epoch
+        return (self._abort_reason is None and alarm.current_epoch() == self.epoch
                 and not self._closed and self._failure is None)
 
     @property
@@ -252,7 +230,7 @@ class MoverProcessGroup(dist.ProcessGroup):
             raise CollectiveAborted(f"{op} on group {self._name()!r}: group aborted: "
                                     f"{self._abort_reason}", reason=self._abort_reason,
                                     group=self._name())
-        if alarm.current_epoch() != self._epoch:
+        if alarm.current_epoch() != self.epoch:
             reason = alarm.reason_after(self._epoch) or "alarm"
             raise CollectiveAborted(f"{op} on group {self._name()!r}: aborted by the alarm: "
                                     f"{reason}", reason=reason, group=self._name())

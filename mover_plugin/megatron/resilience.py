@@ -41,6 +41,7 @@ import atexit
 import contextlib
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -116,6 +117,8 @@ class MegatronResilience:
         """For a promoted standby: its replacement record (rank, twin)."""
         self._joining_migration = False
         """For a promoted standby: whether it replaces a leaving rank (else a lost one)."""
+        self._fault: Optional[str] = None
+        """A fault injected into the migration this process joins (``--inject-migration``)."""
         self._applied = 0
         self._step: Optional[_StepState] = None
         self._parallel_kwargs: dict[str, Any] = {}
@@ -159,6 +162,7 @@ class MegatronResilience:
         plan = self.control.wait_for_plan(self.generation)
         self.joiner_of = next(r for r in plan["replacements"] if r["rank"] == self.rank)
         self._joining_migration = plan.get("kind") == "migration"
+        self._fault = plan.get("fault")
         os.environ["RANK"] = str(self.rank)
         logger.warning("standby %s promoted to rank %d in generation %d",
                        self.control.standby_id, self.rank, self.generation)
@@ -195,13 +199,15 @@ class MegatronResilience:
         self._switch_requested = True
 
     def _on_prepare_notice(self) -> None:
-        generation = self.generation + 1
-        self._next_groups = _GroupPreparation(lambda: self._prepare_next_groups(generation))
+        current = self.generation
+        self._discard_next_groups()  # of a migration that was called off
+        self._next_groups = _GroupPreparation(lambda: self._prepare_next_groups(current))
 
-    def _prepare_next_groups(self, generation: int) -> Optional[PreparedDelta]:
+    def _prepare_next_groups(self, current: int) -> Optional[PreparedDelta]:
         """Phase 1 of a migration at a rank of the current generation (in a thread of its
         own): builds the next generation's version of this rank's groups that contain a
         leaving rank. A leaving rank builds nothing."""
+        generation = self.control.wait_for_successor(current)
         plan = self.control.wait_for_plan(generation)
         leaving = {item["rank"] for item in plan["replacements"]}
         if self.rank in leaving:
@@ -213,8 +219,27 @@ class MegatronResilience:
                           rebuilt=len(delta.replacements), kept=len(delta.kept))
         return delta
 
+    def _discard_next_groups(self) -> None:
+        preparation, self._next_groups = self._next_groups, None
+        if preparation is not None:
+            try:
+                delta = preparation.result()
+            except Exception:  # noqa: BLE001 - the preparation is abandoned anyway
+                logger.info("rank %d: an abandoned group preparation had failed", self.rank,
+                            exc_info=True)
+                return
+            if delta is not None:
+                discard_delta(delta)
+
     def _timeout(self) -> timedelta:
         return timedelta(seconds=self.settings.collective_timeout_s)
+
+    def _inject_fault(self, fault: str) -> None:
+        """Kills this process (SIGKILL) if ``--inject-migration ...:FAULT`` asked for it here."""
+        if self._fault == fault:
+            logger.warning("rank %d: injected fault %r: killing this process", self.rank, fault)
+            sys.stderr.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
 
     @contextlib.contextmanager
     def building(self) -> Iterator[None]:
@@ -248,12 +273,22 @@ class MegatronResilience:
             self._applied = load()
             return self._applied
         started = time.time()
+        self._inject_fault("joiner")
         self.control.post("prepared", rank=self.rank, standby=self.control.standby_id,
                           time=started)
         # After a crash the survivors agree on the iteration with the joiner; in a migration
         # the iteration comes with the leaver's state.
         target = None if self._joining_migration else self._agree_on_iteration(contribute=False)
-        self._receive_state()
+        try:
+            self._receive_state()
+        except Exception as error:  # noqa: BLE001 - filtered just below
+            if not is_peer_failure(error):
+                raise
+            # The controller gives the rank to another standby; this process is discarded.
+            logger.warning("rank %d: the process handing the rank over was lost (%s); exiting",
+                           self.rank, str(error)[:120])
+            self.finish()
+            _exit_now(status=1)
         target = self._applied if target is None else target
         self.control.post("switched", rank=self.rank, role="joiner", time=time.time(),
                           build_s=time.time() - started)
@@ -266,10 +301,7 @@ class MegatronResilience:
         if self._watch is not None:
             self._watch.stop()
             self._watch = None
-        if self._next_groups is not None:  # a migration cancelled before its switch
-            delta, self._next_groups = self._next_groups.result(), None
-            if delta is not None:
-                discard_delta(delta)
+        self._discard_next_groups()  # of a migration cancelled before its switch
 
     # -- the step -------------------------------------------------------------------------
 
@@ -321,6 +353,7 @@ class MegatronResilience:
     def _switch_generation(self, snapshot: dict[str, Any]) -> int:
         """A survivor's switch after a lost rank; returns the iteration all ranks are at."""
         started = time.time()
+        self._discard_next_groups()  # a migration under way is called off
         self._advance_generation()
         plan = self.control.wait_for_plan(self.generation)
         replaced = self._rebuild_groups({item["rank"] for item in plan["replacements"]})
@@ -340,7 +373,8 @@ class MegatronResilience:
         started = time.time()
         self.control.post("boundary", rank=self.rank, iteration=self._applied, time=started,
                           step_s=step_s)
-        plan = self.control.wait_for_plan(self.generation + 1)
+        plan = self.control.wait_for_plan(self.control.wait_for_successor(self.generation))
+        self._fault = plan.get("fault")
         if any(item["rank"] == self.rank for item in plan["replacements"]):
             self._hand_over(plan["generation"])
         preparation, self._next_groups = self._next_groups, None
@@ -354,9 +388,10 @@ class MegatronResilience:
         self.control.post("switched", rank=self.rank, role="stayer", time=time.time(),
                           switch_s=time.time() - started, references=replaced,
                           rebuilt=len(delta.replacements), kept=len(delta.kept))
+        self._inject_fault(f"stayer={self.rank}")
 
     def _advance_generation(self) -> None:
-        self.generation += 1
+        self.generation = self.control.wait_for_successor(self.generation)
         self.control.generation = self.generation
         # An alarm of the old generation read from now on is ignored, and one being acted on
         # is done before the alarm is cleared for the new generation's groups.
@@ -392,6 +427,7 @@ class MegatronResilience:
         group = open_handover(self.control.store, generation, self.rank, source=True,
                               timeout=timedelta(seconds=self.settings.collective_timeout_s))
         opened = time.time()
+        self._inject_fault("leaver")
         send_state(group, self._state_tensors(), self._state_blob(self._applied))
         group.shutdown()
         self.control.post("left", rank=self.rank, role="leaver", time=time.time(),
@@ -463,14 +499,15 @@ class MegatronResilience:
         self._applied = state["iteration"]
 
 
-def _exit_now() -> None:
-    """Ends a leaver's process: its state lives on in the joiner. ``atexit`` callbacks run and
-    output is flushed, but the interpreter's teardown is skipped: for a training process it
-    takes seconds of CPU that the ranks still training on this host can use better."""
+def _exit_now(status: int = 0) -> None:
+    """Ends a process whose rank lives on elsewhere (a leaver, or a joiner whose hand-over
+    failed). ``atexit`` callbacks run and output is flushed, but the interpreter's teardown is
+    skipped: for a training process it takes seconds of CPU that the ranks still training on
+    this host can use better."""
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(status)
 
 
 class _GroupPreparation:

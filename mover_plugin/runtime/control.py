@@ -24,6 +24,7 @@ from mover_plugin.launch.protocol import (
     generation_prefix,
     plan_key,
     promotion_key,
+    successor_key,
 )
 from mover_plugin.layout import ParallelLayout
 
@@ -68,6 +69,11 @@ class ControlClient:
     def wait_for_plan(self, generation: int) -> dict[str, Any]:
         """Blocks until the controller has planned ``generation``; returns the plan."""
         return json.loads(self._wait_and_get(plan_key(generation)))
+
+    def wait_for_successor(self, generation: int) -> int:
+        """Blocks until the controller has planned the generation after ``generation``;
+        returns its number."""
+        return int(self._wait_and_get(successor_key(generation)))
 
     def wait_for_promotion(self) -> dict[str, Any]:
         """A standby blocks here until promoted; returns ``{"rank", "generation"}``."""

@@ -1,7 +1,9 @@
 """Sending one rank's training state to the process that takes the rank over.
 
 The *source* (the leaving rank in a migration, or a live data-parallel twin after a crash)
-and the *joiner* meet in a two-process group of their own, outside the job's process groups:
+and the *joiner* meet in a two-process group of their own, outside the job's process groups
+and not aborted by the alarm (a failure elsewhere must not cut a hand-over short; the death of
+the other end still ends it with an error):
 it rendezvouses under ``gen{g}/handover/{rank}/`` of the control store, so the hand-over needs
 neither the old generation's groups (the leaver is not in the new one) nor any other rank.
 Tensors travel in place, flattened per dtype into one broadcast each, into the joiner's own
@@ -31,7 +33,8 @@ def open_handover(store: Store, generation: int, rank: int, *, source: bool,
     until the other side opens it too."""
     return MoverProcessGroup(PrefixStore(handover_prefix(generation, rank), store),
                              _SOURCE if source else _JOINER, 2, timeout,
-                             group_name=f"handover-g{generation}-r{rank}", use_cuda=False)
+                             group_name=f"handover-g{generation}-r{rank}", use_cuda=False,
+                             abortable=False)
 
 
 def send_state(group: MoverProcessGroup, tensors: Sequence[torch.Tensor], state: Any) -> None:

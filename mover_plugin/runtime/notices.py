@@ -10,8 +10,9 @@ and a worker waits on a local pipe: a :class:`NoticeWatcher` thread blocks in ``
 it and on a pipe of its own that :meth:`NoticeWatcher.stop` writes to, so it can always be
 ended before the interpreter shuts down.
 
-A process follows one generation at a time (:meth:`NoticeWatcher.follow`); notices for other
-generations are ignored. Following the next generation and acting on an alarm of the current
+A process follows one generation at a time (:meth:`NoticeWatcher.follow`); notices for earlier
+generations are ignored, and notices for a later one are kept until the process follows it (a
+rank still ending its last step of generation ``g`` may be sent an alarm for ``g + 1``). Following the next generation and acting on an alarm of the current
 one are serialised, so an alarm read late can never reach the next generation's groups.
 """
 
@@ -56,6 +57,8 @@ class NoticeWatcher:
         self._on_switch = on_switch
         self._on_prepare = on_prepare
         self._lock = threading.Lock()
+        self._later: list[dict[str, Any]] = []
+        """Notices for generations after the followed one, in order of arrival."""
         self._wake_read, self._wake_write = os.pipe()
         self._thread = threading.Thread(target=self._run, name="mover-notices", daemon=True)
         self._thread.start()
@@ -85,6 +88,10 @@ class NoticeWatcher:
         acted on to be done)."""
         with self._lock:
             self._generation = generation
+            now = [n for n in self._later if n["generation"] == generation]
+            self._later = [n for n in self._later if n["generation"] > generation]
+            for notice in now:
+                self._dispatch(notice)
 
     def stop(self) -> None:
         """Ends the thread (promptly: it wakes up for this)."""
@@ -111,11 +118,16 @@ class NoticeWatcher:
 
     def _act(self, notice: dict[str, Any]) -> None:
         with self._lock:
-            if notice.get("generation") != self._generation:
-                return
-            if notice["kind"] == "alarm":
-                self._on_alarm(notice.get("reason", "alarm"))
-            elif notice["kind"] == "switch":
-                self._on_switch()
-            elif notice["kind"] == "prepare":
-                self._on_prepare()
+            generation = notice.get("generation", -1)
+            if generation > self._generation:
+                self._later.append(notice)
+            elif generation == self._generation:
+                self._dispatch(notice)
+
+    def _dispatch(self, notice: dict[str, Any]) -> None:
+        if notice["kind"] == "alarm":
+            self._on_alarm(notice.get("reason", "alarm"))
+        elif notice["kind"] == "switch":
+            self._on_switch()
+        elif notice["kind"] == "prepare":
+            self._on_prepare()
