@@ -13,8 +13,9 @@ would). Then, from one common start signal:
 * delta — the new process builds its groups, and every other rank rebuilds only its groups
   that contain the replaced rank (:mod:`mover_plugin.comm.delta`), keeping the rest.
 
-Printed first: how many groups a staying process rebuilds. Then two costs as series over the world size, each full vs delta, with how it grows
-from 4 to 16 ranks (goal: the delta's growth <= 1.2x while the full rebuild grows):
+Printed first: how many groups a staying process rebuilds. Then two costs as series over the
+world size, each full vs delta, with how it grows from 4 to 16 ranks (goal: the delta's growth
+<= 1.2x while the full rebuild grows):
 
 * the CPU seconds the busiest staying process spends on the switch itself — what one rank
   pays when every rank has its own cores, as on a cluster (the goal is judged on this

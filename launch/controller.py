@@ -21,10 +21,13 @@ switch the controller starts itself: it plans generation ``g + 1`` with ready st
 leaving ranks' places (each leaving rank is its joiner's source of state), promotes them at
 once and posts the ``prepare`` notice to generation ``g`` (phase 1, while training goes on: the
 joiners build their groups and model, the other ranks the next generation's version of their
-groups that hold a leaving rank); when all of them report ready it posts the ``switch`` notice; the ranks switch at the end of the iteration in
-which they all saw it (phase 2), the leavers hand their state over and exit. Operator requests
-arrive in the ``requests`` mailbox; each gets a reply (accepted, or rejected with the reason)
-and, for a migration, a second one when training runs on the new processes.
+groups that hold a leaving rank); when all of them report ready it posts the ``switch``
+notice; the ranks switch at the end of the iteration in which they all saw it (phase 2), the
+leavers hand their state over and exit. A process lost during a migration calls it off (phase
+1) or abandons it (phase 2) and is recovered like any crash (see
+``_failure_during_migration``). Operator requests arrive in the ``requests`` mailbox; each
+gets a reply (accepted, or rejected with the reason) and, for a migration, a second one when
+training runs on the new processes.
 """
 
 from __future__ import annotations
@@ -57,9 +60,10 @@ from mover_plugin.launch.protocol import (
     REQUESTS_MAILBOX,
     plan_key,
     promotion_key,
-    successor_key,
     request_done_key,
     request_reply_key,
+    standbys_ready_key,
+    successor_key,
 )
 from mover_plugin.launch.summary import Interruption, RunSummary
 from mover_plugin.layout import ParallelLayout
@@ -437,11 +441,14 @@ class Controller:
         return None
 
     def _arm_injections_when_provisioned(self) -> None:
-        """Injected failures fire once every standby of the job is ready (at once without)."""
-        if self._armed or len(self._pool) < self.config.standbys * len(self._nodes):
+        """Once every standby of the attempt is ready (at once without): the workers may
+        start training, and injected failures are armed."""
+        if len(self._pool) < self.config.standbys * len(self._nodes):
             return
-        self._armed = True
-        self._commands.post({"op": "arm"})
+        self._store.set(standbys_ready_key(self._attempt), "1")
+        if not self._armed:
+            self._armed = True
+            self._commands.post({"op": "arm"})
 
     def _on_standby_exit(self, event: dict[str, Any]) -> Optional[int]:
         removed = self._pool.remove(event["standby"])

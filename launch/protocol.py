@@ -9,6 +9,8 @@
   ``rank`` over (the leaver, or a data-parallel twin after a crash) sends its state to the
   process that takes it;
 * ``standby/{id}/promote`` — the rank and generation a standby takes over (JSON);
+* ``attempt{a}/standbys_ready`` — set once every standby of attempt ``a`` is ready (a resilient
+  job's workers wait for it, bounded, before their first step);
 * ``job/layout`` — the parallel layout (JSON ``tp``, ``pp``, ``dp``) published by rank 0;
 * the ``commands`` and ``events`` mailboxes (``mover_plugin.launch.mailbox``) — the commands
   include the notices to a generation's processes, which the agents relay to their workers
@@ -27,6 +29,10 @@ def generation_prefix(generation: int) -> str:
 
 def plan_key(generation: int) -> str:
     return f"gen{generation}/plan"
+
+
+def standbys_ready_key(attempt: int) -> str:
+    return f"attempt{attempt}/standbys_ready"
 
 
 def successor_key(generation: int) -> str:

@@ -11,8 +11,9 @@ An interruption moves through phases, each stamped with wall-clock time:
 * restart policy: ``stopped`` — every other worker was stopped; ``started`` — the new workers
   were started; ``recovered`` — every rank is ready to train again (checkpoint loaded);
 * planned migration: ``requested`` — the controller accepted the migration; ``prepared`` —
-  every joiner and every staying rank has its new groups ready (phase 1 done); ``boundary`` — every rank ended the iteration at which
-  they switch; ``handed_over`` — every leaver sent its state; ``switched``;
+  every joiner and every staying rank has its new groups ready (phase 1 done); ``boundary`` —
+  every rank ended the iteration at which they switch; ``handed_over`` — every leaver sent
+  its state; ``switched``;
 * ``first_step_completed`` — every rank completed its first step after the interruption.
 
 ``phases_s`` are seconds after ``failed`` (``requested`` for a migration). ``downtime_s`` is

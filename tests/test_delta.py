@@ -23,7 +23,12 @@ from mover_plugin.comm.delta import (
     prepare_delta,
     replaced_group_names,
 )
-from rank_jobs import GROUP_TIMEOUT, init_mover_group, rank_job, stop_forkserver_after_module  # noqa: F401
+from rank_jobs import (  # noqa: F401 - the fixture is used by name
+    GROUP_TIMEOUT,
+    init_mover_group,
+    rank_job,
+    stop_forkserver_after_module,
+)
 
 WORLD_SIZE = 4
 LEAVING = 3

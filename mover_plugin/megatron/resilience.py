@@ -220,16 +220,11 @@ class MegatronResilience:
         return delta
 
     def _discard_next_groups(self) -> None:
+        """Drops a migration's prepared groups without waiting (a preparation may still be
+        waiting for a joiner that was lost)."""
         preparation, self._next_groups = self._next_groups, None
         if preparation is not None:
-            try:
-                delta = preparation.result()
-            except Exception:  # noqa: BLE001 - the preparation is abandoned anyway
-                logger.info("rank %d: an abandoned group preparation had failed", self.rank,
-                            exc_info=True)
-                return
-            if delta is not None:
-                discard_delta(delta)
+            preparation.abandon()
 
     def _timeout(self) -> timedelta:
         return timedelta(seconds=self.settings.collective_timeout_s)
@@ -271,6 +266,10 @@ class MegatronResilience:
         """The iteration to start from: a joiner's comes from its twin, others ``load()``."""
         if self.joiner_of is None:
             self._applied = load()
+            # Training starts protected: once the standbys are ready (bounded: a standby lost
+            # while warming up must not hold the job).
+            if not self.control.wait_for_standbys(self.settings.collective_timeout_s):
+                logger.warning("rank %d: starting before every standby is ready", self.rank)
             return self._applied
         started = time.time()
         self._inject_fault("joiner")
@@ -512,10 +511,13 @@ def _exit_now(status: int = 0) -> None:
 
 class _GroupPreparation:
     """Runs a stayer's phase-1 group building in a thread of its own; :meth:`result` joins it
-    and returns its prepared groups (None at a leaving rank), or raises its error."""
+    and returns its prepared groups (None at a leaving rank), or raises its error;
+    :meth:`abandon` releases them without waiting."""
 
     def __init__(self, build: Callable[[], Optional[PreparedDelta]]) -> None:
         self._build = build
+        self._lock = threading.Lock()
+        self._abandoned = False
         self._delta: Optional[PreparedDelta] = None
         self._error: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._run, name="mover-prepare", daemon=True)
@@ -523,9 +525,24 @@ class _GroupPreparation:
 
     def _run(self) -> None:
         try:
-            self._delta = self._build()
+            delta = self._build()
         except BaseException as error:  # noqa: BLE001 - handed to the caller of result()
             self._error = error
+            return
+        with self._lock:
+            if not self._abandoned:
+                self._delta = delta
+                return
+        if delta is not None:
+            discard_delta(delta)
+
+    def abandon(self) -> None:
+        """The groups will not be used: released now, or by the thread when it finishes."""
+        with self._lock:
+            self._abandoned = True
+            delta, self._delta = self._delta, None
+        if delta is not None:
+            discard_delta(delta)
 
     def result(self) -> Optional[PreparedDelta]:
         self._thread.join()

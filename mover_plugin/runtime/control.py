@@ -24,6 +24,7 @@ from mover_plugin.launch.protocol import (
     generation_prefix,
     plan_key,
     promotion_key,
+    standbys_ready_key,
     successor_key,
 )
 from mover_plugin.layout import ParallelLayout
@@ -69,6 +70,15 @@ class ControlClient:
     def wait_for_plan(self, generation: int) -> dict[str, Any]:
         """Blocks until the controller has planned ``generation``; returns the plan."""
         return json.loads(self._wait_and_get(plan_key(generation)))
+
+    def wait_for_standbys(self, timeout_s: float) -> bool:
+        """Blocks until every standby of this attempt is ready, at most ``timeout_s``;
+        returns whether they are."""
+        try:
+            self.store.wait([standbys_ready_key(self.attempt)], timedelta(seconds=timeout_s))
+        except dist.DistStoreError:
+            return False
+        return True
 
     def wait_for_successor(self, generation: int) -> int:
         """Blocks until the controller has planned the generation after ``generation``;

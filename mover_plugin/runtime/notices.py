@@ -3,17 +3,18 @@
 The controller posts a notice for a generation (``alarm``: a rank is lost, leave the step you
 are in; ``prepare``: a planned migration begins, build your part of the next generation's
 groups; ``switch``: switch to the next generation at the next iteration boundary; ``retire``:
-the generation is over) as a command; every agent reads its commands anyway and writes the notice as one JSON
-line into each local process's notice pipe, whose read end the process inherited
-(``MOVER_NOTICE_FD``). The control store thus serves one reader per host, not one per rank,
-and a worker waits on a local pipe: a :class:`NoticeWatcher` thread blocks in ``select`` on
-it and on a pipe of its own that :meth:`NoticeWatcher.stop` writes to, so it can always be
-ended before the interpreter shuts down.
+the generation is over) as a command; every agent reads its commands anyway and writes the
+notice as one JSON line into each local process's notice pipe, whose read end the process
+inherited (``MOVER_NOTICE_FD``). The control store thus serves one reader per host, not one
+per rank, and a worker waits on a local pipe: a :class:`NoticeWatcher` thread blocks in
+``select`` on it and on a pipe of its own that :meth:`NoticeWatcher.stop` writes to, so it can
+always be ended before the interpreter shuts down.
 
 A process follows one generation at a time (:meth:`NoticeWatcher.follow`); notices for earlier
 generations are ignored, and notices for a later one are kept until the process follows it (a
-rank still ending its last step of generation ``g`` may be sent an alarm for ``g + 1``). Following the next generation and acting on an alarm of the current
-one are serialised, so an alarm read late can never reach the next generation's groups.
+rank still ending its last step of generation ``g`` may be sent an alarm for ``g + 1``).
+Following the next generation and acting on an alarm of the current one are serialised, so an
+alarm read late can never reach the next generation's groups.
 """
 
 from __future__ import annotations
