@@ -37,7 +37,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Collection, Mapping, Optional, Sequence
+from typing import Any, Collection, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -117,8 +117,8 @@ class PreparedDelta:
 
     replacements: dict[str, tuple[Any, MoverProcessGroup]] = field(default_factory=dict)
     """By c10d name: (the group in use, its replacement)."""
-    kept: list[str] = field(default_factory=list)
-    """Names of the groups that stay as they are."""
+    kept: dict[str, Any] = field(default_factory=dict)
+    """By c10d name: the groups that stay as they are."""
     build_s: float = 0.0
 
 
@@ -131,7 +131,8 @@ def prepare_delta(generation_store: Store, changed: Collection[int], *, timeout:
     groups = member_groups()
     default_name = c10d._world.pg_names[c10d._get_default_group()]
     names = set(replaced_group_names([info for _, info in groups.values()], changed, unsettled))
-    delta = PreparedDelta(kept=sorted(set(groups) - names, key=_name_order))
+    delta = PreparedDelta(kept={name: group for name, (group, _) in groups.items()
+                                if name not in names})
     rank = dist.get_rank()
     foreign = sorted(name for name in names if not isinstance(groups[name][0], MoverProcessGroup))
     if foreign:
@@ -172,10 +173,8 @@ def install_delta(delta: PreparedDelta) -> dict[int, Any]:
     for name, (old, new) in delta.replacements.items():
         _register_in_place(world, name, old, new)
         replaced[id(old)] = new
-        if old is not None and hasattr(old, "shutdown"):
-            old.shutdown()
-    for name in delta.kept:
-        group = _group_named(world, name)
+        old.shutdown()
+    for group in delta.kept.values():
         if isinstance(group, MoverProcessGroup):
             group.revive()
     return replaced
@@ -201,10 +200,6 @@ def _register_in_place(world: Any, name: str, old: Any, new: MoverProcessGroup) 
     c10d._register_process_group(name, new)
     if c10d._get_default_group() is old:
         c10d._update_default_pg(new)
-
-
-def _group_named(world: Any, name: str) -> Optional[Any]:
-    return next((group for group, value in world.pg_names.items() if value == name), None)
 
 
 def _name_order(name: str) -> tuple[int, str]:
