@@ -24,13 +24,13 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
+from common import check_same_digest, interleaved, repeats_argument
 from mover_plugin.testing import run_command
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,25 +65,17 @@ def run_job(folder: Path, way: str) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
-    if args.repeats < 1:
-        raise SystemExit(f"--repeats {args.repeats}: give 1 or more")
-    runs: dict[str, list[dict]] = {"baseline": [], "migration": []}
+    args = repeats_argument(__doc__, default=3)
     with tempfile.TemporaryDirectory(prefix="mover-bench-") as tmp:
-        for repeat in range(args.repeats):
-            for way in runs:
-                folder = Path(tmp) / f"{way}-{repeat}"
-                folder.mkdir()
-                summary = run_job(folder, way)
-                runs[way].append(summary)
-                print(f"{way} run {repeat}: downtime "
-                      f"{summary['interruptions'][0]['downtime_s']:.3f} s", flush=True)
-    digests = {s["digest"] for group in runs.values() for s in group}
-    if len(digests) != 1:
-        raise SystemExit(f"PARAMS_DIGEST differs between runs: {sorted(digests)}")
-    print(f"all {2 * args.repeats} runs end with the same PARAMS_DIGEST")
+
+        def run(way: str, repeat: int) -> dict:
+            folder = Path(tmp) / f"{way}-{repeat}"
+            folder.mkdir()
+            return run_job(folder, way)
+
+        runs = interleaved(["baseline", "migration"], args.repeats, run,
+                           lambda s: f"downtime {s['interruptions'][0]['downtime_s']:.3f} s")
+    check_same_digest(runs)
     report(runs)
 
 

@@ -2,14 +2,15 @@
 """Benchmark: steady step time and peak RSS of a worker with ``--resilient`` on vs off.
 
 The same failure-free Megatron-Core job (examples/pretrain_gpt.py, TP1 x PP2 x DP2 on 4 CPU
-processes) runs with ``--policy resilient --standbys 1 ... --resilient`` and with
+processes by default; ``--nproc 2 --pp 1`` runs TP1 x PP1 x DP2, one process per core) runs with ``--policy resilient --standbys 1 ... --resilient`` and with
 ``--policy restart``, alternating, ``--repeats`` times each. Each run's step time is the
 median over its workers of each worker's median step duration (the launcher's summary), so
 start-up and the first steps' warm-up do not count. Printed, from this one run: every run's
 figure, the median per mode, and the ratios (goal: <= 1 % more of each).
 
-Run-to-run noise on a shared 2-core machine is several percent, so use enough repeats and
-steps (the defaults take about 6 minutes here) and read the spread before the ratio.
+Run-to-run noise with 4 workers and a standby sharing 2 cores is 10-20 %, far above the 1 %
+being measured; with one worker per core (``--nproc 2 --pp 1``) it is much smaller. Use enough
+repeats and steps and read the spread before the ratio.
 
 Usage::
 
@@ -25,20 +26,21 @@ import sys
 import tempfile
 from pathlib import Path
 
+from common import check_same_digest, interleaved
 from mover_plugin.testing import run_command
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = str(ROOT / "examples" / "pretrain_gpt.py")
-MODEL = ["--pipeline-model-parallel-size", "2", "--num-layers", "4", "--hidden-size", "64",
-         "--num-attention-heads", "4", "--seq-length", "64", "--micro-batch-size", "2",
-         "--global-batch-size", "8"]
+MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+         "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "8"]
 
 
-def run_job(folder: Path, resilient: bool, train_iters: int) -> dict:
+def run_job(folder: Path, resilient: bool, train_iters: int, nproc: int, pp: int) -> dict:
     summary_path = folder / "summary.json"
     launcher = [sys.executable, "-m", "mover_plugin.launch.cli", "--standalone",
-                "--nproc-per-node", "4", "--summary", str(summary_path)]
-    script = [EXAMPLE, *MODEL, "--train-iters", str(train_iters)]
+                "--nproc-per-node", str(nproc), "--summary", str(summary_path)]
+    script = [EXAMPLE, *MODEL, "--pipeline-model-parallel-size", str(pp),
+              "--train-iters", str(train_iters)]
     if resilient:
         launcher += ["--policy", "resilient", "--standbys", "1"]
         script += ["--resilient"]
@@ -56,27 +58,28 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--train-iters", type=int, default=40)
+    parser.add_argument("--nproc", type=int, default=4, help="worker processes (default 4)")
+    parser.add_argument("--pp", type=int, default=2, help="pipeline stages (default 2)")
     args = parser.parse_args()
     if args.repeats < 1 or args.train_iters < 5:
         raise SystemExit("--repeats must be >= 1 and --train-iters >= 5")
-    runs: dict[bool, list[dict]] = {False: [], True: []}
+    if args.pp < 1 or args.nproc % args.pp or args.nproc // args.pp < 2:
+        raise SystemExit(f"--nproc {args.nproc} must be a multiple of --pp {args.pp} with at "
+                         "least 2 data-parallel replicas")
     with tempfile.TemporaryDirectory(prefix="mover-bench-") as tmp:
-        for repeat in range(args.repeats):
-            for resilient in (False, True):
-                folder = Path(tmp) / f"{'on' if resilient else 'off'}-{repeat}"
-                folder.mkdir()
-                summary = run_job(folder, resilient, args.train_iters)
-                runs[resilient].append(summary)
-                print(f"--resilient {'on ' if resilient else 'off'} run {repeat}: step "
-                      f"{summary['median_step_time_s']:.4f} s, peak RSS "
-                      f"{summary['worker_peak_rss_mb']:.1f} MB", flush=True)
-    digests = {s["digest"] for group in runs.values() for s in group}
-    if len(digests) != 1:
-        raise SystemExit(f"PARAMS_DIGEST differs between runs: {sorted(digests)}")
-    print(f"all {2 * args.repeats} runs end with the same PARAMS_DIGEST")
+
+        def run(mode: str, repeat: int) -> dict:
+            folder = Path(tmp) / f"{mode}-{repeat}"
+            folder.mkdir()
+            return run_job(folder, mode == "on", args.train_iters, args.nproc, args.pp)
+
+        runs = interleaved(["off", "on"], args.repeats, run,
+                           lambda s: f"step {s['median_step_time_s']:.4f} s, peak RSS "
+                                     f"{s['worker_peak_rss_mb']:.1f} MB")
+    check_same_digest(runs)
     for field, label in (("median_step_time_s", "STEP_TIME"), ("worker_peak_rss_mb", "PEAK_RSS")):
-        off = [s[field] for s in runs[False]]
-        on = [s[field] for s in runs[True]]
+        off = [s[field] for s in runs["off"]]
+        on = [s[field] for s in runs["on"]]
         ratio = statistics.median(on) / statistics.median(off)
         print(f"{label} off median {statistics.median(off):.4f} (min {min(off):.4f}, "
               f"max {max(off):.4f}); on median {statistics.median(on):.4f} (min {min(on):.4f}, "

@@ -39,10 +39,14 @@ def main() -> None:
     quiet_known_warnings()
     apply_cpu_patches_if_needed()
     dataset = build_dataset(args)
-    resilience = start_resilience(args)  # None without --resilient; a standby waits in here
+    # None without --resilient; a standby warms up and waits in here.
+    resilience = start_resilience(args, dataset)
     initialize_distributed(args, resilience)
-    with building(resilience):
+    if resilience is None:
         model, optimizer, scheduler = setup_model_and_optimizer(args)
+    else:  # a promoted standby may have its model built already
+        model, optimizer, scheduler = resilience.build_model(partial(setup_model_and_optimizer,
+                                                                     args))
     iteration = first_iteration(args, resilience, model, optimizer, scheduler)
     train(args, model, optimizer, scheduler, dataset, iteration, resilience)
     report_params_digest(args, model)
@@ -70,24 +74,40 @@ def apply_cpu_patches_if_needed() -> None:
         apply_patches("megatron-cpu")
 
 
-def start_resilience(args: argparse.Namespace):
+def start_resilience(args: argparse.Namespace, dataset):
+    """The resilience runtime; a standby warms up in the sandbox by building the model of each
+    pipeline stage and running a few training steps on it, with this script's own code."""
     from mover_plugin.megatron.resilience import MegatronResilience
+    from mover_plugin.megatron.standby import StandbyWarmUp
 
-    return MegatronResilience.start(args)
+    def build():
+        seed_for_stage(args)
+        return setup_model_and_optimizer(args)
+
+    warm = StandbyWarmUp(
+        parallel=parallel_kwargs(args),
+        build=build,
+        shadow_step=lambda model, optimizer, scheduler: train_step(
+            args, model, optimizer, scheduler, dataset, 0),
+    )
+    return MegatronResilience.start(args, warm)
 
 
-def initialize_distributed(args: argparse.Namespace, resilience) -> None:
-    import numpy as np
-    import torch
-    import torch.distributed as dist
-    from megatron.core import parallel_state, tensor_parallel
-
-    parallel = dict(
+def parallel_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         distributed_timeout_minutes=args.distributed_timeout_minutes,
         create_gloo_process_groups=args.enable_gloo_process_groups,
     )
+
+
+def initialize_distributed(args: argparse.Namespace, resilience) -> None:
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    parallel = parallel_kwargs(args)
     if resilience is not None:
         # Abortable groups in the namespace of the current generation.
         resilience.initialize_distributed(**parallel)
@@ -96,7 +116,16 @@ def initialize_distributed(args: argparse.Namespace, resilience) -> None:
         dist.init_process_group(backend,
                                 timeout=timedelta(minutes=args.distributed_timeout_minutes))
         parallel_state.initialize_model_parallel(**parallel)
-    # As Megatron-LM: one seed per pipeline stage; data-parallel replicas draw the same numbers.
+    seed_for_stage(args)
+
+
+def seed_for_stage(args: argparse.Namespace) -> None:
+    """As Megatron-LM: one seed per pipeline stage; data-parallel replicas draw the same
+    numbers."""
+    import numpy as np
+    import torch
+    from megatron.core import parallel_state, tensor_parallel
+
     seed = args.seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
     random.seed(seed)
     np.random.seed(seed)
@@ -203,13 +232,6 @@ def setup_model_and_optimizer(args: argparse.Namespace):
     config.grad_scale_func = optimizer.scale_loss
     config.no_sync_func = model.no_sync
     return model, optimizer, scheduler
-
-
-def building(resilience):
-    """A joining standby builds its model with local collectives; others build normally."""
-    import contextlib
-
-    return resilience.building() if resilience is not None else contextlib.nullcontext()
 
 
 def first_iteration(args, resilience, model, optimizer, scheduler) -> int:

@@ -440,6 +440,15 @@ class Controller:
         self._arm_injections_when_provisioned()
         return None
 
+    def _on_standby_warmed(self, event: dict[str, Any]) -> Optional[int]:
+        """A standby played every pipeline role in its sandbox (it reports ready next)."""
+        fields = {key: event[key] for key in ("standby", "roles", "kept", "shadow_iterations",
+                                              "role_s", "warm_up_s", "sandbox_operations",
+                                              "peak_rss_mb")}
+        self.log.write("standby_warmed", "pool", generation=self._generation,
+                       when=event["time"], **fields)
+        return None
+
     def _arm_injections_when_provisioned(self) -> None:
         """Once every standby of the attempt is ready (at once without): the workers may
         start training, and injected failures are armed."""
@@ -483,8 +492,9 @@ class Controller:
         if event["generation"] != self._generation:
             return None
         self._switched[event["rank"]] = event["time"]
+        extra = {"adopted": event["adopted"]} if "adopted" in event else {}
         self.log.write("switched", "switch", generation=event["generation"],
-                       rank=event["rank"], when=event["time"], role=event.get("role"))
+                       rank=event["rank"], when=event["time"], role=event.get("role"), **extra)
         if len(self._switched) == self.config.world_size and self._interruption is not None:
             self._interruption.mark("switched", max(self._switched.values()))
         return None
@@ -762,6 +772,8 @@ class Controller:
         if event.get("generation", self._generation) != self._generation:
             return None
         self._ready[event["rank"]] = event["time"]
+        self.log.write("worker_ready", "job", generation=self._generation, rank=event["rank"],
+                       when=event["time"])
         if len(self._ready) == self.config.world_size and self._interruption is not None:
             self._interruption.mark("recovered", max(self._ready.values()))
         return None

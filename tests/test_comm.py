@@ -108,6 +108,37 @@ def test_errors_derive_from_the_project_error() -> None:
     assert (error.reason, error.group) == ("why", "3")
 
 
+class _TimedWork(dist.Work):
+    """A backend work that behaves as c10d's ``Work.wait(timeout)`` does when the operation
+    ends just as the timeout runs out: the wait raises "Operation timed out!" although the
+    work is completed by the time the caller looks (``error`` set: it failed instead)."""
+
+    def __init__(self, error: Exception | None = None) -> None:
+        super().__init__()
+        self.completed = False
+        self.error = error
+
+    def wait(self, timeout: timedelta | None = None) -> bool:  # type: ignore[override]
+        if not self.completed:
+            self.completed = True
+            raise RuntimeError("Operation timed out!")
+        if self.error is not None:
+            raise self.error
+        return True
+
+    def is_completed(self) -> bool:
+        return self.completed
+
+
+def test_a_sliced_wait_that_races_the_completion_reports_how_the_operation_ended() -> None:
+    from mover_plugin.comm.work import _Sliced
+
+    assert _Sliced(_TimedWork()).wait_slice(0.01) is True
+    failing = _Sliced(_TimedWork(RuntimeError("Connection closed by peer")))
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        failing.wait_slice(0.01)
+
+
 # --------------------------------------------------------------------------- one rank, in process
 
 

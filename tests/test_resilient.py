@@ -62,6 +62,13 @@ def test_sigkill_of_any_rank_is_survived_exactly(tmp_path, reference_pp2, rank, 
     check_standby_recovery(interruption, events, rank)
     assert {"detected", "alarm", "left", "switched", "first_step_completed"} <= set(
         interruption["phases_s"])
+    # The standby warmed up as both stages and kept the last: it adopts that model for a
+    # last-stage rank (2, 3) and builds a first stage anew.
+    (warmed,) = [e for e in events if e["event"] == "standby_warmed"]
+    assert warmed["roles"] == ["first", "last"] and warmed["shadow_iterations"] == 2
+    assert warmed["sandbox_operations"] > 0
+    (joiner,) = [e for e in events if e["event"] == "switched" and e["role"] == "joiner"]
+    assert joiner["adopted"] == (rank >= 2)
 
 
 def test_two_failures_with_two_standbys(tmp_path, reference_pp2):
@@ -137,6 +144,8 @@ def test_a_standby_dying_while_idle_only_shrinks_the_pool(tmp_path, reference_pp
         (["--policy", "restart", "--standbys", "1"], [], "--standbys 1 needs --policy resilient"),
         ([], ["--resilient-heartbeat-interval-s", "5", "--resilient-failure-timeout-s", "2"],
          "--resilient-heartbeat-interval-s 5.0 must be below --resilient-failure-timeout-s 2.0"),
+        ([], ["--resilient-standby-shadow-iterations", "-1"],
+         "--resilient-standby-shadow-iterations -1 must be a whole number of at least 0"),
         ([], ["--resilient-failure-timeout-s", "90"],
          "--resilient-failure-timeout-s 90.0 must be below --resilient-collective-timeout-s"),
     ],

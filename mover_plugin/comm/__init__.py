@@ -13,7 +13,9 @@ in the same process. This package provides:
 - :mod:`~mover_plugin.comm.retired` — keeps abandoned communicators alive until their pending
   operations end, so that destroying a generation never blocks.
 - :mod:`~mover_plugin.comm.delta` — the next generation's groups, rebuilt only where they hold
-  a replaced rank (delta communicators) and registered with c10d in the old ones' place.
+  a replaced rank (delta communicators) and registered with c10d in the old ones' place;
+- :mod:`~mover_plugin.comm.sandbox` — the ``mover_sandbox`` backend, groups that talk to no
+  one, in which a standby warms up.
 
 The alarm is raised in a worker by its ``mover_plugin.runtime.notices.NoticeWatcher`` when the
 controller's alarm notice for the worker's generation arrives (relayed by the host's agent).

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import torch.distributed as dist
 
@@ -33,9 +33,9 @@ logger = logging.getLogger(__name__)
 _lock = threading.Lock()
 
 
-def is_registered() -> bool:
-    """Whether the ``mover`` backend is registered with c10d in this process."""
-    return BACKEND_NAME.upper() in dist.Backend._plugins
+def is_registered(name: str = BACKEND_NAME) -> bool:
+    """Whether the backend ``name`` (by default ``mover``) is registered with c10d here."""
+    return name.upper() in dist.Backend._plugins
 
 
 def register_backend() -> str:
@@ -44,12 +44,18 @@ def register_backend() -> str:
     The backend is declared for ``cpu`` and ``cuda``; it never becomes the default backend of a
     device, it is used only where asked for by name (or inherited by ``new_group``).
     """
+    return register_plugin(BACKEND_NAME, _create_group)
+
+
+def register_plugin(name: str, creator: Callable[..., dist.ProcessGroup]) -> str:
+    """Registers a c10d backend whose ``creator`` (extended API) returns the group itself, for
+    ``cpu`` and ``cuda`` (idempotent); returns ``name``."""
     with _lock:
-        if not is_registered():
-            dist.Backend.register_backend(BACKEND_NAME, _create_group, extended_api=True,
+        if not is_registered(name):
+            dist.Backend.register_backend(name, creator, extended_api=True,
                                           devices=["cpu", "cuda"])
-            logger.debug("registered the %s c10d backend", BACKEND_NAME)
-    return BACKEND_NAME
+            logger.debug("registered the %s c10d backend", name)
+    return name
 
 
 def _create_group(options: Any, backend_options: Any = None) -> MoverProcessGroup:

@@ -46,6 +46,7 @@ from torch.distributed.distributed_c10d import (
 
 from mover_plugin.comm import alarm, retired
 from mover_plugin.comm.errors import CollectiveAborted, CommAborted
+from mover_plugin.comm.named import NamedProcessGroup
 from mover_plugin.comm.work import AbortableWork, observe
 
 logger = logging.getLogger(__name__)
@@ -84,7 +85,7 @@ def _make_nccl(store: Store, rank: int, size: int, timeout: timedelta,
     return dist.ProcessGroupNCCL(store, rank, size, options)
 
 
-class MoverProcessGroup(dist.ProcessGroup):
+class MoverProcessGroup(NamedProcessGroup):
     """A process group whose operations can be abandoned; see the module docstring.
 
     Normally created by c10d through the ``mover`` backend (``init_process_group("mover")``,
@@ -108,14 +109,14 @@ class MoverProcessGroup(dist.ProcessGroup):
             error).
     """
 
+    backend_name = BACKEND_NAME
+
     def __init__(self, store: Store, rank: int, size: int, timeout: timedelta, *,
                  group_name: str = "", global_ranks: Sequence[int] = (),
                  use_cuda: Optional[bool] = None, nccl_options: Any = None,
                  abortable: bool = True) -> None:
-        super().__init__(rank, size)
+        super().__init__(rank, size, group_name)
         self._label = group_name or "?"
-        self._group_name = group_name
-        self._group_desc = ""
         self._timeout = timeout
         self._abortable = abortable
         self._epoch = alarm.current_epoch()
@@ -144,39 +145,6 @@ class MoverProcessGroup(dist.ProcessGroup):
                      self._label, rank, size, ranks, self._epoch, self._nccl is not None)
 
     # ------------------------------------------------------------------ state
-
-    # c10d's base ProcessGroup keeps its name and description in its registered backends; this
-    # group registers none, so it keeps them itself (the camelCase names are the ones the C++
-    # trampoline forwards, the others the Python bindings').
-
-    def getBackendName(self) -> str:  # noqa: N802
-        return BACKEND_NAME
-
-    def getGroupName(self) -> str:  # noqa: N802
-        return self._group_name
-
-    def setGroupName(self, name: str) -> None:  # noqa: N802
-        self._group_name = name
-
-    def getGroupDesc(self) -> str:  # noqa: N802
-        return self._group_desc
-
-    def setGroupDesc(self, desc: str) -> None:  # noqa: N802
-        self._group_desc = desc
-
-    @property
-    def group_name(self) -> str:  # type: ignore[override]
-        return self._group_name
-
-    @property
-    def group_desc(self) -> str:  # type: ignore[override]
-        return self._group_desc
-
-    def _set_group_name(self, name: str) -> None:
-        self._group_name = name
-
-    def _set_group_desc(self, desc: str) -> None:
-        self._group_desc = desc
 
     def __repr__(self) -> str:
         return (f"MoverProcessGroup(name={self._name()!r}, rank={self.rank()}, "

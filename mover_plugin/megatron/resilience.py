@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import contextlib
 import logging
 import os
 import signal
@@ -47,7 +46,7 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -70,6 +69,12 @@ from mover_plugin.comm.delta import (
 from mover_plugin.errors import LaunchError
 from mover_plugin.layout import ParallelLayout
 from mover_plugin.megatron.checkpoint import capture_rng_state, restore_rng_state
+from mover_plugin.megatron.standby import (
+    StandbyWarmUp,
+    TrainingObjects,
+    WarmedStandby,
+    warm_up,
+)
 from mover_plugin.progress import ProgressReporter
 from mover_plugin.runtime.control import ControlClient
 from mover_plugin.runtime.handover import open_handover, receive_state, send_state
@@ -136,12 +141,20 @@ class MegatronResilience:
         """Set when the commit all-reduce showed that some rank saw the switch request."""
         self._next_groups: Optional[_GroupPreparation] = None
         """A stayer's groups of the next generation, built during a migration's phase 1."""
+        self._warmed: Optional[WarmedStandby] = None
+        """A standby's model of the role it kept from its warm-up in the sandbox."""
+        self._adopted = False
+        """Whether this joiner trains with the model it warmed up (rather than a new one)."""
+        self._await_standbys = False
+        """Set until the first step of a rank that started with the job."""
 
     # -- start-up -------------------------------------------------------------------------
 
     @classmethod
-    def start(cls, args: argparse.Namespace) -> Optional["MegatronResilience"]:
-        """None without ``--resilient``; a standby blocks here until it is promoted."""
+    def start(cls, args: argparse.Namespace,
+              warm: Optional[StandbyWarmUp] = None) -> Optional["MegatronResilience"]:
+        """None without ``--resilient``. A standby warms up with ``warm`` (when given, see
+        :mod:`mover_plugin.megatron.standby`) and then blocks here until it is promoted."""
         if not getattr(args, "resilient", False):
             return None
         control = ControlClient.from_env()
@@ -151,8 +164,16 @@ class MegatronResilience:
         runtime = cls(args, control, ProgressReporter.from_env())
         runtime._heartbeat.start()
         if control.standby_id is not None:
+            if warm is not None and runtime.settings.standby_shadow_iterations > 0:
+                runtime._warm_up(warm)
             runtime._wait_for_promotion()
         return runtime
+
+    def _warm_up(self, warm: StandbyWarmUp) -> None:
+        self._warmed = warm_up(warm, self.world_size, self.settings.standby_shadow_iterations)
+        if self._warmed is not None:
+            self.control.post("standby_warmed", standby=self.control.standby_id,
+                              time=time.time(), **self._warmed.report)
 
     def _wait_for_promotion(self) -> None:
         self.progress.standby_ready()
@@ -236,17 +257,26 @@ class MegatronResilience:
             sys.stderr.flush()
             os.kill(os.getpid(), signal.SIGKILL)
 
-    @contextlib.contextmanager
-    def building(self) -> Iterator[None]:
-        """Around model and optimizer construction: a joiner keeps their collectives local
-        (their results are overwritten by the state it receives from its twin)."""
+    def build_model(self, build: Callable[[], TrainingObjects]) -> TrainingObjects:
+        """This rank's (model, optimizer, scheduler), from ``build()`` after
+        :meth:`initialize_distributed`. A promoted standby adopts the model it warmed up when
+        its role is this rank's, and otherwise builds with its collectives kept local (their
+        results are overwritten by the state it receives from its twin)."""
         if self.joiner_of is None:
-            yield
-            return
+            return build()
+        warmed, self._warmed = self._warmed, None
+        if warmed is not None:
+            tp = self._parallel_kwargs.get("tensor_model_parallel_size", 1)
+            pp = self._parallel_kwargs.get("pipeline_model_parallel_size", 1)
+            objects = warmed.adopt(self.rank, ParallelLayout.for_world(self.world_size, tp, pp))
+            del warmed
+            if objects is not None:
+                self._adopted = True
+                return objects
         from mover_plugin.patches import apply_patches
 
         with apply_patches("local-collectives"):
-            yield
+            return build()
 
     def attach(self, model: Any, optimizer: Any, scheduler: Any) -> None:
         """Registers the training objects and puts the commit gate before every update."""
@@ -266,15 +296,12 @@ class MegatronResilience:
         """The iteration to start from: a joiner's comes from its twin, others ``load()``."""
         if self.joiner_of is None:
             self._applied = load()
-            # Training starts protected: once the standbys are ready (bounded: a standby lost
-            # while warming up must not hold the job).
-            if not self.control.wait_for_standbys(self.settings.collective_timeout_s):
-                logger.warning("rank %d: starting before every standby is ready", self.rank)
+            self._await_standbys = True
             return self._applied
         started = time.time()
         self._inject_fault("joiner")
         self.control.post("prepared", rank=self.rank, standby=self.control.standby_id,
-                          time=started)
+                          time=started, adopted=self._adopted)
         # After a crash the survivors agree on the iteration with the joiner; in a migration
         # the iteration comes with the leaver's state.
         target = None if self._joining_migration else self._agree_on_iteration(contribute=False)
@@ -290,7 +317,7 @@ class MegatronResilience:
             _exit_now(status=1)
         target = self._applied if target is None else target
         self.control.post("switched", rank=self.rank, role="joiner", time=time.time(),
-                          build_s=time.time() - started)
+                          build_s=time.time() - started, adopted=self._adopted)
         return target
 
     def finish(self) -> None:
@@ -311,6 +338,8 @@ class MegatronResilience:
         and the number of iterations completed.
         """
         self.progress.generation = self.generation  # deferred after a planned switch
+        if self._await_standbys:
+            self._wait_for_standbys()
         snapshot = capture_rng_state()
         started = time.time()
         while True:
@@ -329,6 +358,13 @@ class MegatronResilience:
             if target > iteration:
                 self._step = None
                 return None, target
+
+    def _wait_for_standbys(self) -> None:
+        """Training starts protected: its first step waits until the standbys are ready
+        (bounded: a standby lost while warming up must not hold the job)."""
+        self._await_standbys = False
+        if not self.control.wait_for_standbys(self.settings.collective_timeout_s):
+            logger.warning("rank %d: starting before every standby is ready", self.rank)
 
     def _commit(self) -> None:
         """The WORLD all-reduce every rank enters only with complete gradients."""

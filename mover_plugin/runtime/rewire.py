@@ -11,7 +11,7 @@ leaf values are not entered.
 from __future__ import annotations
 
 import types
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -38,20 +38,39 @@ def rewire(roots: Iterable[Any], replacements: dict[int, Any]) -> int:
 
     Returns the number of references replaced.
     """
-    walker = _Walker(replacements)
+    walker = _Walker(lambda value: replacements.get(id(value)))
     for root in roots:
         walker.visit(root)
     return walker.replaced
 
 
+def count_references(roots: Iterable[Any], matches: Callable[[Any], bool]) -> int:
+    """How many references reachable from ``roots`` (as :func:`rewire` walks them) point to
+    a value for which ``matches`` is true; nothing is changed."""
+    found = 0
+
+    def count(value: Any) -> None:
+        nonlocal found
+        if matches(value):
+            found += 1
+
+    walker = _Walker(lambda value: count(value))
+    for root in roots:
+        walker.visit(root)
+    return found
+
+
 class _Walker:
-    def __init__(self, replacements: dict[int, Any]) -> None:
-        self._replacements = replacements
+    """Visits an object graph; ``replacement(value)`` returns what replaces a value, or None
+    to keep it (and walk into it)."""
+
+    def __init__(self, replacement: Callable[[Any], Any]) -> None:
+        self._replacement = replacement
         self._seen: set[int] = set()
         self.replaced = 0
 
     def _swap(self, value: Any) -> tuple[bool, Any]:
-        new = self._replacements.get(id(value))
+        new = self._replacement(value)
         if new is None:
             return False, value
         self.replaced += 1

@@ -25,12 +25,22 @@ class ResilienceSettings:
     """A worker silent for this long is declared hung, killed and replaced."""
     collective_timeout_s: float = 60.0
     """The communicators' own timeout: the last resort when no alarm arrives."""
+    standby_shadow_iterations: int = 2
+    """Training iterations a standby runs in the sandbox per pipeline role while it warms up
+    (0: it only imports and waits)."""
 
     def validate(self) -> "ResilienceSettings":
         for item in fields(self):
             value = getattr(self, item.name)
-            if item.name != "enabled" and not value > 0:
-                raise ConfigError(f"{_flag(item.name)} {value} must be a positive number of seconds")
+            if item.name == "enabled":
+                continue
+            if item.type in (int, "int"):
+                if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                    raise ConfigError(f"{_flag(item.name)} {value!r} must be a whole number "
+                                      "of at least 0")
+            elif isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ConfigError(f"{_flag(item.name)} {value!r} must be a positive number "
+                                  "of seconds")
         if self.heartbeat_interval_s >= self.failure_timeout_s:
             raise ConfigError(
                 f"{_flag('heartbeat_interval_s')} {self.heartbeat_interval_s} must be below "
@@ -68,8 +78,10 @@ def add_resilience_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     for item in fields(ResilienceSettings):
         if item.name == "enabled":
             continue
-        group.add_argument(_flag(item.name), dest=_dest(item.name), type=float,
-                           default=getattr(defaults, item.name), metavar="SECONDS")
+        whole = item.type in (int, "int")
+        group.add_argument(_flag(item.name), dest=_dest(item.name),
+                           type=int if whole else float, default=getattr(defaults, item.name),
+                           metavar="N" if whole else "SECONDS")
     return parser
 
 

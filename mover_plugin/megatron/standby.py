@@ -1,0 +1,216 @@
+"""A general standby: warmed up in the sandbox for every pipeline role before it is needed.
+
+A standby does not know which rank it will replace. While the job trains, it plays each
+pipeline role in turn (first stage, last stage, a middle stage when the pipeline has one) as a
+rank of the job's world size inside the sandbox (:mod:`mover_plugin.comm.sandbox`, groups that
+talk to no one): it initializes Megatron-Core's groups, builds that stage's model, DDP and
+optimizer with the script's own code, and runs a few *shadow iterations* of the script's
+training step. The imports, lazy initializations, allocator pools and code paths of every role
+are warm afterwards, and nothing has reached the job's ranks.
+
+It keeps the last role it played (a middle stage when there is one, since first and last
+stages differ from it only by their embedding and output layers). On promotion:
+
+- to a rank of the kept role (same pipeline stage and tensor-parallel index), the kept model,
+  DDP and optimizer are *adopted*: every sandbox group they hold is replaced by the job's group
+  of the same purpose (paired through Megatron-Core's ``parallel_state``), and the state then
+  comes from the data-parallel twin as usual;
+- to another role, the kept objects are dropped and that role's model is built (with warm code
+  paths), which is what the first or last stage adds to a middle one: Megatron-Core fixes the
+  DDP grad buffers and the optimizer's parameter groups when it builds them, so the embedding
+  or output layer cannot be attached to a built middle stage.
+
+The parameters, optimizer state and RNG states of the warm-up are never used: the promoted
+standby receives them from its twin.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import resource
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch.distributed as dist
+
+from mover_plugin.comm.sandbox import (
+    SANDBOX_BACKEND,
+    SandboxProcessGroup,
+    operations_served,
+    register_sandbox_backend,
+)
+from mover_plugin.layout import ParallelLayout
+from mover_plugin.runtime.rewire import count_references, rewire
+
+logger = logging.getLogger(__name__)
+
+TrainingObjects = tuple[Any, Any, Any]
+"""What a script's build function returns: model, optimizer, scheduler."""
+
+
+@dataclass(frozen=True)
+class StandbyWarmUp:
+    """What a training script gives the runtime so that its standbys warm up.
+
+    Attributes:
+        parallel: the keyword arguments of ``initialize_model_parallel``.
+        build: builds (model, optimizer, scheduler) exactly as a rank does after its groups
+            exist (seeding included).
+        shadow_step: runs one training iteration on those objects.
+    """
+
+    parallel: dict[str, Any]
+    build: Callable[[], TrainingObjects]
+    shadow_step: Callable[[Any, Any, Any], Any]
+
+
+@dataclass(frozen=True)
+class PipelineRole:
+    name: str
+    """``first``, ``middle``, ``last``, or ``only`` (a pipeline of one stage)."""
+    rank: int
+    """The global rank this role is played as in the sandbox."""
+    stage: int
+
+
+def pipeline_roles(layout: ParallelLayout) -> list[PipelineRole]:
+    """The roles a standby plays, in order; the last one is kept."""
+    def role(name: str, stage: int) -> PipelineRole:
+        return PipelineRole(name, layout.rank(tp=0, dp=0, pp=stage), stage)
+
+    if layout.pp == 1:
+        return [role("only", 0)]
+    roles = [role("first", 0), role("last", layout.pp - 1)]
+    if layout.pp > 2:
+        roles.append(role("middle", 1))
+    return roles
+
+
+@dataclass
+class WarmedStandby:
+    """The outcome of a warm-up: the kept role's objects and what the warm-up did."""
+
+    role: PipelineRole
+    objects: Optional[TrainingObjects]
+    groups: dict[str, Any]
+    """The sandbox groups ``parallel_state`` held for the kept role, by variable name."""
+    report: dict[str, Any] = field(default_factory=dict)
+
+    def adopt(self, rank: int, layout: ParallelLayout) -> Optional[TrainingObjects]:
+        """After the job's groups exist (``initialize_model_parallel`` ran for ``rank``):
+        the kept objects moved onto them, or None when ``rank`` plays another role (the kept
+        objects are then released)."""
+        objects, self.objects = self.objects, None
+        coordinates = layout.coordinates(rank)
+        if objects is None or (coordinates.pp, coordinates.tp) != (self.role.stage, 0):
+            del objects
+            gc.collect()
+            return None
+        replacements = _pair_groups(self.groups, _parallel_state_groups())
+        moved = rewire(objects, replacements)
+        left = count_references(objects, lambda value: isinstance(value, SandboxProcessGroup))
+        if left:
+            logger.warning("the kept %s-stage model still holds %d sandbox group(s) after "
+                           "adoption; building a fresh one", self.role.name, left)
+            del objects
+            gc.collect()
+            return None
+        logger.info("adopted the warmed %s-stage model for rank %d (%d group references moved)",
+                    self.role.name, rank, moved)
+        return objects
+
+
+def warm_up(plan: StandbyWarmUp, world_size: int, iterations: int) -> Optional[WarmedStandby]:
+    """Plays every pipeline role in the sandbox (see the module docstring); None if the
+    warm-up failed (logged): the standby then stays, cold, and builds on promotion."""
+    from megatron.core import parallel_state
+
+    try:
+        return _play_roles(plan, world_size, iterations)
+    except Exception:  # noqa: BLE001 - a standby is worth keeping even if it cannot warm up
+        logger.exception("the standby's warm-up in the sandbox failed; it stays a cold standby")
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        gc.collect()
+        return None
+
+
+def _play_roles(plan: StandbyWarmUp, world_size: int, iterations: int) -> WarmedStandby:
+    from megatron.core import parallel_state
+
+    register_sandbox_backend()
+    tp = plan.parallel.get("tensor_model_parallel_size", 1)
+    pp = plan.parallel.get("pipeline_model_parallel_size", 1)
+    roles = pipeline_roles(ParallelLayout.for_world(world_size, tp, pp))
+    started = time.time()
+    timings: dict[str, float] = {}
+    kept: Optional[TrainingObjects] = None
+    groups: dict[str, Any] = {}
+    for role in roles:
+        role_started = time.perf_counter()
+        dist.init_process_group(SANDBOX_BACKEND, store=dist.HashStore(), rank=role.rank,
+                                world_size=world_size)
+        parallel_state.initialize_model_parallel(**plan.parallel)
+        objects = plan.build()
+        for _ in range(iterations):
+            plan.shadow_step(*objects)
+        if role is roles[-1]:
+            kept, groups = objects, _parallel_state_groups()
+        del objects
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+        gc.collect()
+        timings[role.name] = time.perf_counter() - role_started
+    report = {
+        "roles": [role.name for role in roles],
+        "kept": roles[-1].name,
+        "shadow_iterations": iterations,
+        "role_s": timings,
+        "warm_up_s": time.time() - started,
+        "sandbox_operations": sum(operations_served().values()),
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
+    logger.info("standby warmed up as %s in %.2f s (%d sandbox operations)",
+                "/".join(report["roles"]), report["warm_up_s"], report["sandbox_operations"])
+    return WarmedStandby(roles[-1], kept, groups, report)
+
+
+def _parallel_state_groups() -> dict[str, Any]:
+    """``parallel_state``'s module globals that hold process groups (directly or in lists,
+    tuples and dicts), plus the default group under ``"WORLD"``."""
+    from megatron.core import parallel_state
+
+    found = {name: value for name, value in vars(parallel_state).items()
+             if not name.startswith("__") and _holds_group(value)}
+    found["WORLD"] = dist.group.WORLD
+    return found
+
+
+def _holds_group(value: Any) -> bool:
+    if isinstance(value, dist.ProcessGroup):
+        return True
+    if isinstance(value, (list, tuple)):
+        return any(_holds_group(item) for item in value)
+    if isinstance(value, dict):
+        return any(_holds_group(item) for item in value.values())
+    return False
+
+
+def _pair_groups(old: Any, new: Any, pairs: Optional[dict[int, Any]] = None) -> dict[int, Any]:
+    """``{id(old group): new group}`` for groups at the same place in two structures."""
+    pairs = {} if pairs is None else pairs
+    if isinstance(old, dist.ProcessGroup):
+        if isinstance(new, dist.ProcessGroup):
+            pairs[id(old)] = new
+    elif isinstance(old, (list, tuple)) and isinstance(new, (list, tuple)):
+        for old_item, new_item in zip(old, new):
+            _pair_groups(old_item, new_item, pairs)
+    elif isinstance(old, dict) and isinstance(new, dict):
+        for key, old_item in old.items():
+            if key in new:
+                _pair_groups(old_item, new[key], pairs)
+    return pairs
