@@ -67,6 +67,8 @@ class AgentConfig:
     stop_grace_s: float = 5.0
     standbys: int = 0
     migrations: tuple[MigrationInjection, ...] = ()
+    report_busy: bool = False
+    """Send the controller each step's busy times of this host's ranks (slow-rank policy)."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -84,6 +86,7 @@ class AgentConfig:
             stop_grace_s=raw["stop_grace_s"],
             standbys=raw["standbys"],
             migrations=tuple(MigrationInjection(**i) for i in raw["migrations"]),
+            report_busy=raw["report_busy"],
         )
 
 
@@ -158,6 +161,8 @@ class Agent:
         self._attempt = -1
         self._generation = 0
         self._idle_reported = False
+        self._busy: dict[int, dict[int, float]] = {}
+        """Busy times by step, then rank, until every local rank reported the step."""
         """This host reported itself done because all its ranks moved away."""
 
     def run(self) -> int:
@@ -369,6 +374,20 @@ class Agent:
                 worker.first_step_reported = True
                 self._post("first_step", rank=worker.rank, step=event.step, time=event.time,
                            duration=event.duration_s)
+            if self.config.report_busy and event.busy_s >= 0 and worker.rank is not None:
+                self._report_busy(event.step, worker.rank, event.busy_s)
+
+    def _report_busy(self, step: int, rank: int, busy_s: float) -> None:
+        """One ``busy`` event per step for all ranks of this host (slow-rank policy)."""
+        report = self._busy.setdefault(step, {})
+        report[rank] = busy_s
+        for old in [s for s in self._busy if s < step - 16]:
+            del self._busy[old]
+        training = {w.rank for w in self._workers
+                    if w.rank is not None and not w.exited and not w.leaving}
+        if training <= set(report):
+            del self._busy[step]
+            self._post("busy", step=step, ranks={str(r): b for r, b in report.items()})
 
     def _maybe_inject(self, worker: Worker, step: int) -> None:
         if not self._armed or worker.leaving:

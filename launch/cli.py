@@ -89,6 +89,7 @@ def _agent_config(config: LaunchConfig, node_rank: int, port: int) -> AgentConfi
         migrations=tuple(i for i in config.migrations if i.rank in node.ranks),
         stop_grace_s=config.stop_grace_s,
         standbys=config.standbys,
+        report_busy=config.slow_rank_factor is not None,
     )
 
 

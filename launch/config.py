@@ -99,6 +99,10 @@ class LaunchConfig:
     """JSON-lines event log of the controller."""
     standbys: int = 0
     """Standby processes per host (resilient policy)."""
+    slow_rank_factor: Optional[float] = None
+    """Migrate a rank whose busy time stays above this multiple of the median (None: off)."""
+    slow_rank_steps: int = 5
+    """... for this many steps in a row."""
     stop_grace_s: float = 5.0
     """Seconds between SIGTERM and SIGKILL when the launcher stops workers."""
     join_timeout_s: float = 300.0
@@ -159,6 +163,12 @@ def build_parser() -> argparse.ArgumentParser:
         "a process of the migration with SIGKILL: 'joiner' (in phase 1, once its model is "
         "built), 'leaver' (in phase 2, before its state is sent) or 'stayer=S' (rank S, in "
         "phase 2, right after it switched).")
+    add("--slow-rank-factor", dest="slow_rank_factor", type=_factor, default=None,
+        metavar="F", help="Migrate a rank to a standby when its busy time per step (the step "
+        "minus its waits for peers) stays above F times the median of all ranks (resilient "
+        "policy; off by default).")
+    add("--slow-rank-steps", dest="slow_rank_steps", type=_positive_int, default=None,
+        metavar="N", help="... for N steps in a row (default 5).")
     add("--summary", default=None, metavar="PATH", help="Write a JSON run summary to PATH.")
     add("--stop-grace-s", type=_positive_float, default=5.0,
         help="Seconds between SIGTERM and SIGKILL when stopping workers (default 5).")
@@ -197,6 +207,7 @@ def parse_launch_args(argv: Sequence[str], python: str) -> LaunchConfig:
     if args.inject_migration and args.policy != "resilient":
         raise ConfigError(f"--inject-migration {args.inject_migration[0].spec()} needs "
                           "--policy resilient (migration moves a rank to a standby)")
+    _check_slow_rank_policy(args)
     target = ["-m", args.script] if args.module else [args.script]
     return LaunchConfig(
         nodes=nodes,
@@ -212,6 +223,8 @@ def parse_launch_args(argv: Sequence[str], python: str) -> LaunchConfig:
         summary_path=args.summary,
         event_log_path=args.event_log,
         standbys=standbys,
+        slow_rank_factor=args.slow_rank_factor,
+        slow_rank_steps=args.slow_rank_steps or 5,
         stop_grace_s=args.stop_grace_s,
         join_timeout_s=args.join_timeout_s,
         preflight=args.preflight,
@@ -278,6 +291,15 @@ def _signal(name: str, text: str) -> int:
         f"{text!r}: unknown signal {name!r} (use a name like SIGKILL, SIGTERM, "
         "SIGSTOP, SIGSEGV or its number)"
     )
+
+
+def _check_slow_rank_policy(args: argparse.Namespace) -> None:
+    if args.slow_rank_steps is not None and args.slow_rank_factor is None:
+        raise ConfigError(f"--slow-rank-steps {args.slow_rank_steps} needs --slow-rank-factor "
+                          "(the slow-rank policy is off without it)")
+    if args.slow_rank_factor is not None and args.policy != "resilient":
+        raise ConfigError(f"--slow-rank-factor {args.slow_rank_factor:g} needs --policy "
+                          "resilient (a slow rank is migrated to a standby)")
 
 
 def _standbys(args: argparse.Namespace) -> int:
@@ -368,6 +390,17 @@ def port_number(text: str) -> int:
     if not text.isdigit() or int(text) > 65535:
         raise argparse.ArgumentTypeError(f"{text!r} is not a port number (0..65535)")
     return int(text)
+
+
+def _factor(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number above 1 (a multiple of "
+                                         "the median busy time)")
+    return value
 
 
 def _positive_float(text: str) -> float:

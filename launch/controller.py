@@ -65,6 +65,7 @@ from mover_plugin.launch.protocol import (
     standbys_ready_key,
     successor_key,
 )
+from mover_plugin.launch.slow_ranks import SlowRankDetector
 from mover_plugin.launch.summary import Interruption, RunSummary
 from mover_plugin.layout import ParallelLayout
 
@@ -133,6 +134,10 @@ class Controller:
         """The highest generation number planned so far (a cancelled one is never reused)."""
         self._membership = Membership(0, {})
         self._pool = StandbyPool()
+        self._slow_ranks: Optional[SlowRankDetector] = None
+        if config.slow_rank_factor is not None:
+            self._slow_ranks = SlowRankDetector(config.slow_rank_factor, config.slow_rank_steps,
+                                                config.world_size)
         self._attempt_store: Optional[dist.TCPStore] = None
         self._reset_attempt_state()
         self._interruption: Optional[Interruption] = None
@@ -500,6 +505,33 @@ class Controller:
         return None
 
     # planned migration
+
+    def _on_busy(self, event: dict[str, Any]) -> Optional[int]:
+        """One host's busy times of a step: the slow-rank policy (see ``slow_ranks``)."""
+        detector = self._slow_ranks
+        if detector is None:
+            return None
+        if self._migration is not None or self._interruption is not None or self._failed:
+            detector.reset()  # the job is being changed: judge it again afterwards
+            return None
+        slow = detector.observe(event["step"], {int(r): b for r, b in event["ranks"].items()})
+        if slow is None:
+            return None
+        self.log.write("slow_rank", "migrate", generation=self._generation, rank=slow.rank,
+                       step=slow.step, busy_s=round(slow.busy_s, 6),
+                       median_busy_s=round(slow.median_busy_s, 6),
+                       factor=self.config.slow_rank_factor, steps=self.config.slow_rank_steps)
+        logger.warning("rank %d is slow (busy %.3f s per step vs a median of %.3f s for %d "
+                       "steps): moving it to a standby", slow.rank, slow.busy_s,
+                       slow.median_busy_s, self.config.slow_rank_steps)
+        try:
+            self._start_migration({"op": "migrate", "id": f"slow-rank-{slow.rank}-{slow.step}",
+                                   "ranks": [slow.rank]})
+        except _Rejected as error:
+            self.log.write("slow_rank_kept", "migrate", generation=self._generation,
+                           rank=slow.rank, reason=str(error))
+            logger.warning("rank %d stays where it is: %s", slow.rank, error)
+        return None
 
     def _on_request(self, request: dict[str, Any]) -> None:
         """Answers an operator request (``mover status``, ``mover migrate``)."""

@@ -3,8 +3,9 @@
 A worker started by ``mover-launch`` inherits one end of a pipe whose file descriptor is in
 ``MOVER_PROGRESS_FD``. At each step boundary the worker writes one JSON line; the agent on the
 same host reads them to deliver injected failures at a given step and to time interruptions.
-Nothing crosses the network per step: the agent forwards only the few events the controller
-needs (the first step of an attempt, the last step before an exit).
+The agent forwards only the few events the controller needs (the first step of an attempt, the
+last step before an exit); with the slow-rank policy on, also one report per step for all ranks
+of its host with their busy times (``busy_s``: the step minus the rank's waits for its peers).
 
 Outside ``mover-launch`` (plain ``torchrun`` or a single process) every report is a no-op.
 """
@@ -15,7 +16,7 @@ import json
 import os
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 PROGRESS_FD_ENV = "MOVER_PROGRESS_FD"
 
@@ -39,6 +40,9 @@ class ProgressEvent:
     duration_s: float = 0.0
     generation: int = -1
     """The worker's generation when it reported (-1: not a resilient worker)."""
+    busy_s: float = -1.0
+    """For a ``step_end``: the step's duration minus the time the rank waited for its peers
+    (-1: not measured)."""
 
     def encode(self) -> bytes:
         return (json.dumps(self.__dict__, separators=(",", ":")) + "\n").encode()
@@ -57,6 +61,8 @@ class ProgressReporter:
     def __init__(self, fd: Optional[int]) -> None:
         self._fd = fd
         self.generation = -1
+        self._waited: Optional[Callable[[], float]] = None
+        self._waited_at_begin = 0.0
 
     @classmethod
     def from_env(cls) -> "ProgressReporter":
@@ -78,11 +84,22 @@ class ProgressReporter:
     def heartbeat(self, failure_timeout_s: float) -> None:
         self._send(ProgressEvent(HEARTBEAT, 0, time.time(), failure_timeout_s, self.generation))
 
+    def measure_busy_time(self, waited_s: Callable[[], float]) -> None:
+        """From now on each ``step_end`` carries the step's busy time: its duration minus the
+        growth of ``waited_s()`` (seconds spent waiting for peers) since ``step_begin``."""
+        self._waited = waited_s
+
     def step_begin(self, step: int) -> None:
+        if self._waited is not None:
+            self._waited_at_begin = self._waited()
         self._send(ProgressEvent(STEP_BEGIN, step, time.time(), generation=self.generation))
 
     def step_end(self, step: int, duration_s: float) -> None:
-        self._send(ProgressEvent(STEP_END, step, time.time(), duration_s, self.generation))
+        busy = -1.0
+        if self._waited is not None:
+            busy = max(0.0, duration_s - (self._waited() - self._waited_at_begin))
+        self._send(ProgressEvent(STEP_END, step, time.time(), duration_s, self.generation,
+                                 busy))
 
     def _send(self, event: ProgressEvent) -> None:
         if self._fd is None:

@@ -63,6 +63,17 @@ def test_injected_migrations_reach_the_agent_of_their_rank():
     assert config.migrations == (MigrationInjection(1, 3), MigrationInjection(3, 8))
 
 
+def test_the_slow_rank_policy_is_off_by_default_and_reaches_the_agents():
+    assert parse("--policy", "resilient", "t.py").slow_rank_factor is None
+    config = parse("--nproc-per-node", "4", "--policy", "resilient", "--slow-rank-factor", "2.5",
+                   "t.py")
+    assert (config.slow_rank_factor, config.slow_rank_steps) == (2.5, 5)
+    from mover_plugin.launch.cli import _agent_config
+
+    assert _agent_config(config, 0, 1234).report_busy is True
+    assert _agent_config(parse("t.py"), 0, 1234).report_busy is False
+
+
 def test_injection_forms():
     assert parse_injection("3:6") == parse_injection("3:6:SIGKILL")
     assert parse_injection("1:2:stop").signal == signal.SIGSTOP
@@ -92,6 +103,13 @@ def test_injection_forms():
          "(S: a staying rank, not 1)"),
         (["--nproc-per-node", "4", "--policy", "resilient", "--inject-migration",
           "1:2:stayer=7", "t.py"], "--inject-migration 1:2:stayer=7: rank 7 does not exist"),
+        (["--policy", "resilient", "--slow-rank-factor", "0.5", "t.py"],
+         "'0.5' is not a number above 1 (a multiple of the median busy time)"),
+        (["--policy", "resilient", "--slow-rank-steps", "3", "t.py"],
+         "--slow-rank-steps 3 needs --slow-rank-factor"),
+        (["--slow-rank-factor", "2", "t.py"], "--slow-rank-factor 2 needs --policy resilient"),
+        (["--policy", "resilient", "--slow-rank-factor", "2", "--slow-rank-steps", "0", "t.py"],
+         "'0' is not a positive integer"),
     ],
 )
 def test_bad_launcher_flags(argv, message):

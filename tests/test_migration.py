@@ -7,11 +7,14 @@ no restart: the only new processes are the standbys, each leaver exits with stat
 handing its state over, and the event log tells the story.
 """
 
+import contextlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -242,3 +245,74 @@ def _finish(job: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(job.pid, 9)
         job.wait()
+
+
+def _worker_pid(rank: int, tag: str) -> int | None:
+    """The pid of the worker started for ``rank`` by a launcher run with MOVER_TEST_TAG=tag
+    (not a standby, which has MOVER_STANDBY_ID)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        if (f"MOVER_TEST_TAG={tag}\0".encode() in environ and f"\0RANK={rank}\0".encode()
+                in environ and b"MOVER_STANDBY_ID=" not in environ):
+            return int(entry.name)
+    return None
+
+
+def _throttle_once_training(events_path: Path, rank: int, tag: str, done: "threading.Event",
+                            stopped_s: float = 0.08, running_s: float = 0.02) -> None:
+    """Makes ``rank``'s process a straggler once every rank is ready: it runs a fifth of the
+    time (SIGSTOP/SIGCONT), until it exits or the test ends."""
+    while not done.is_set() and not (
+            events_path.exists() and events_path.read_text().count('"worker_ready"') >= 4):
+        time.sleep(0.05)
+    pid = _worker_pid(rank, tag)
+    if pid is None:
+        return
+    try:
+        while not done.is_set():
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(stopped_s)
+            os.kill(pid, signal.SIGCONT)
+            time.sleep(running_s)
+    except ProcessLookupError:
+        return  # it handed its rank over and exited
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGCONT)
+
+
+def test_a_straggler_is_found_by_its_busy_time_and_migrated_exactly(tmp_path, monkeypatch,
+                                                                    reference_pp2_40):
+    """Rank 1 is slowed down by the test (it runs a fifth of the time); every rank's
+    wall-clock step time then grows alike, but its busy time (the step minus its waits
+    for peers) stands out, and the slow-rank policy moves it to a standby."""
+    tag = str(tmp_path)
+    monkeypatch.setenv("MOVER_TEST_TAG", tag)
+    summary_path, events_path = tmp_path / "summary.json", tmp_path / "events.jsonl"
+    launcher = ["--policy", "resilient", "--standbys", "1", "--summary", str(summary_path),
+                "--event-log", str(events_path), "--stop-grace-s", "2",
+                "--slow-rank-factor", "2", "--slow-rank-steps", "3"]
+    done = threading.Event()
+    throttler = threading.Thread(target=_throttle_once_training, daemon=True,
+                                 args=(events_path, 1, tag, done))
+    throttler.start()
+    try:
+        result = run_command([*LAUNCH, "--standalone", "--nproc-per-node", "4", *launcher,
+                              EXAMPLE, *MODEL, *PP2, "--train-iters", "40"], timeout_s=300)
+    finally:
+        done.set()
+        throttler.join(5)
+    assert result.returncode == 0, result.output[-5000:]
+    assert digest(result) == digest(reference_pp2_40)
+    events = read_events(events_path)
+    slow = [e for e in events if e["event"] == "slow_rank"]
+    assert [e["rank"] for e in slow] == [1], slow
+    assert slow[0]["busy_s"] > 2 * slow[0]["median_busy_s"]
+    (migration,) = json.loads(summary_path.read_text())["interruptions"]
+    assert (migration["kind"], migration["rank"]) == ("migration", 1)
+    assert migration["downtime_s"] is not None
+    assert not [e for e in events if e["event"] in ("worker_failed", "fallback", "restart")]

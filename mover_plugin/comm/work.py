@@ -85,6 +85,15 @@ class _WaiterPool:
 
 _pool = _WaiterPool()
 
+_waited_s = 0.0
+"""Seconds the main thread has spent blocked waiting for operations of mover groups."""
+
+
+def waited_s() -> float:
+    """Seconds the main thread (the training loop) has spent blocked in waits for operations
+    of mover groups: a step's duration minus what it waited is the rank's *busy time*."""
+    return _waited_s
+
 
 class _Observed:
     """One backend work, observed through ``done()`` and finished by ``finish()``; this base
@@ -271,6 +280,17 @@ class AbortableWork(dist.Work):
         return True
 
     def _wait_for_completion(self, deadline: Optional[float]) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            self._block_until_complete(deadline)
+            return
+        global _waited_s
+        started = time.perf_counter()
+        try:
+            self._block_until_complete(deadline)
+        finally:
+            _waited_s += time.perf_counter() - started
+
+    def _block_until_complete(self, deadline: Optional[float]) -> None:
         group = self._group
         for item in self._pending:
             while not item.done():

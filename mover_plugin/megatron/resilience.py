@@ -66,6 +66,7 @@ from mover_plugin.comm.delta import (
     member_groups,
     prepare_delta,
 )
+from mover_plugin.comm.work import waited_s
 from mover_plugin.errors import LaunchError
 from mover_plugin.layout import ParallelLayout
 from mover_plugin.megatron.checkpoint import capture_rng_state, restore_rng_state
@@ -134,6 +135,7 @@ class MegatronResilience:
         """The optimizer's own update, without the commit gate (set by :meth:`attach`)."""
         self._heartbeat = Heartbeat(progress, self.settings.heartbeat_interval_s,
                                     self.settings.failure_timeout_s)
+        progress.measure_busy_time(waited_s)  # for the slow-rank policy
         self._watch: Optional[NoticeWatcher] = None
         self._switch_requested = False
         """Set by the notice watcher when the controller asks for a planned switch."""
