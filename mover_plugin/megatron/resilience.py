@@ -8,9 +8,11 @@ operation) under the next generation's store namespace, keep the others
 (:mod:`mover_plugin.comm.delta`), rewrite every cached reference to a rebuilt group in
 ``parallel_state``, the model, DDP and optimizer, agree on which side of the optimizer update
 each of them is, and redo the dropped iteration with the same micro-batches and the RNG states
-saved at its start. A standby process, started and warmed up beforehand, takes the lost global
-rank: it builds the model with its collectives kept local, receives parameters, optimizer and
-scheduler state, RNG states and the iteration from a data-parallel twin, and joins the loop.
+saved at its start. A standby process, started and warmed up beforehand (every pipeline role
+played in a sandbox, :mod:`mover_plugin.megatron.standby`), takes the lost global rank: it
+adopts the model it kept from its warm-up when the rank plays that role, or builds the rank's
+model with its collectives kept local, receives parameters, optimizer and scheduler state, RNG
+states and the iteration from a data-parallel twin, and joins the loop.
 
 **Planned migration.** When an operator moves a rank (``mover migrate``), phase 1 runs while
 training goes on: a standby is promoted to the rank, builds its groups and its model, and every
