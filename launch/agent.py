@@ -161,9 +161,9 @@ class Agent:
         self._attempt = -1
         self._generation = 0
         self._idle_reported = False
+        """This host reported itself done because all its ranks moved away."""
         self._busy: dict[int, dict[int, float]] = {}
         """Busy times by step, then rank, until every local rank reported the step."""
-        """This host reported itself done because all its ranks moved away."""
 
     def run(self) -> int:
         """Serves the controller until it says ``finish`` (returns 0) or ``abort`` (1)."""
