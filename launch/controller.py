@@ -447,11 +447,10 @@ class Controller:
 
     def _on_standby_warmed(self, event: dict[str, Any]) -> Optional[int]:
         """A standby played every pipeline role in its sandbox (it reports ready next)."""
-        fields = {key: event[key] for key in ("standby", "roles", "kept", "shadow_iterations",
-                                              "role_s", "warm_up_s", "sandbox_operations",
-                                              "peak_rss_mb")}
+        report = {key: value for key, value in event.items()
+                  if key not in ("kind", "attempt", "time", "generation")}
         self.log.write("standby_warmed", "pool", generation=self._generation,
-                       when=event["time"], **fields)
+                       when=event["time"], **report)
         return None
 
     def _arm_injections_when_provisioned(self) -> None:

@@ -112,10 +112,22 @@ class _Observed:
     def error(self) -> Optional[BaseException]:
         return self.work.exception() if self.done() else None
 
+    recheck_s = _RECHECK_S
+    """How long :meth:`block` may wait before the waiter checks its group again."""
+
+    def block(self, group: "MoverProcessGroup", seconds: float) -> None:
+        """Waits up to ``seconds`` for the work's completion or the group's abort."""
+        alarm.wait_until(lambda: self.done() or not group.usable, group.epoch, seconds)
+
 
 class _Sliced(_Observed):
     """A backend work whose ``wait(timeout)`` may time out and be repeated (gloo's
     collectives): the waiting thread blocks in it, a slice at a time."""
+
+    recheck_s = _SLICE_S
+
+    def block(self, group: "MoverProcessGroup", seconds: float) -> None:
+        self.wait_slice(seconds)
 
     def wait_slice(self, seconds: float) -> bool:
         """Blocks in the work's ``wait()`` for at most ``seconds``; whether it completed.
@@ -295,18 +307,14 @@ class AbortableWork(dist.Work):
         for item in self._pending:
             while not item.done():
                 group.check_usable(self._op)
-                sleep = _SLICE_S if isinstance(item, _Sliced) else _RECHECK_S
+                sleep = item.recheck_s
                 if deadline is not None:
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         raise TimeoutError(f"{self._op} on group {group.group_name!r} "
                                            "did not complete within the wait timeout")
                     sleep = min(sleep, remaining)
-                if isinstance(item, _Sliced):
-                    item.wait_slice(sleep)
-                else:
-                    alarm.wait_until(lambda: item.done() or not group.usable, group.epoch,
-                                     sleep)
+                item.block(group, sleep)
             item.finish()
 
     def get_future(self) -> torch.futures.Future:

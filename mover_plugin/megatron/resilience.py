@@ -70,12 +70,12 @@ from mover_plugin.comm.delta import (
 )
 from mover_plugin.comm.work import waited_s
 from mover_plugin.errors import LaunchError
-from mover_plugin.layout import ParallelLayout
 from mover_plugin.megatron.checkpoint import capture_rng_state, restore_rng_state
 from mover_plugin.megatron.standby import (
     StandbyWarmUp,
     TrainingObjects,
     WarmedStandby,
+    parallel_layout,
     warm_up,
 )
 from mover_plugin.progress import ProgressReporter
@@ -204,9 +204,7 @@ class MegatronResilience:
                               "pipe from its agent)")
         self._init_groups()
         if self.rank == 0 and self.joiner_of is None:
-            tp = parallel_kwargs["tensor_model_parallel_size"]
-            pp = parallel_kwargs["pipeline_model_parallel_size"]
-            self.control.publish_layout(ParallelLayout.for_world(self.world_size, tp, pp))
+            self.control.publish_layout(parallel_layout(self.world_size, parallel_kwargs))
 
     def _init_groups(self) -> None:
         from megatron.core import parallel_state
@@ -270,9 +268,8 @@ class MegatronResilience:
             return build()
         warmed, self._warmed = self._warmed, None
         if warmed is not None:
-            tp = self._parallel_kwargs.get("tensor_model_parallel_size", 1)
-            pp = self._parallel_kwargs.get("pipeline_model_parallel_size", 1)
-            objects = warmed.adopt(self.rank, ParallelLayout.for_world(self.world_size, tp, pp))
+            objects = warmed.adopt(self.rank,
+                                   parallel_layout(self.world_size, self._parallel_kwargs))
             del warmed
             if objects is not None:
                 self._adopted = True

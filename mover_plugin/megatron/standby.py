@@ -1,9 +1,10 @@
 """A general standby: warmed up in the sandbox for every pipeline role before it is needed.
 
-A standby does not know which rank it will replace. While the job trains, it plays each
-pipeline role in turn (first stage, last stage, a middle stage when the pipeline has one) as a
-rank of the job's world size inside the sandbox (:mod:`mover_plugin.comm.sandbox`, groups that
-talk to no one): it initializes Megatron-Core's groups, builds that stage's model, DDP and
+A standby does not know which rank it will replace. Before it reports ready (the job's first
+step waits for its standbys, bounded by the collective timeout), it plays each pipeline role in
+turn (first stage, last stage, a middle stage when the pipeline has one) as a rank of the job's
+world size inside the sandbox (:mod:`mover_plugin.comm.sandbox`, groups that talk to no one):
+it initializes Megatron-Core's groups, builds that stage's model, DDP and
 optimizer with the script's own code, and runs a few *shadow iterations* of the script's
 training step. The imports, lazy initializations, allocator pools and code paths of every role
 are warm afterwards, and nothing has reached the job's ranks.
@@ -75,6 +76,12 @@ class PipelineRole:
     stage: int
 
 
+def parallel_layout(world_size: int, parallel: dict[str, Any]) -> ParallelLayout:
+    """The layout given by ``initialize_model_parallel``'s keyword arguments."""
+    return ParallelLayout.for_world(world_size, parallel.get("tensor_model_parallel_size", 1),
+                                    parallel.get("pipeline_model_parallel_size", 1))
+
+
 def pipeline_roles(layout: ParallelLayout) -> list[PipelineRole]:
     """The roles a standby plays, in order; the last one is kept."""
     def role(name: str, stage: int) -> PipelineRole:
@@ -143,9 +150,7 @@ def _play_roles(plan: StandbyWarmUp, world_size: int, iterations: int) -> Warmed
     from megatron.core import parallel_state
 
     register_sandbox_backend()
-    tp = plan.parallel.get("tensor_model_parallel_size", 1)
-    pp = plan.parallel.get("pipeline_model_parallel_size", 1)
-    roles = pipeline_roles(ParallelLayout.for_world(world_size, tp, pp))
+    roles = pipeline_roles(parallel_layout(world_size, plan.parallel))
     started = time.time()
     timings: dict[str, float] = {}
     kept: Optional[TrainingObjects] = None

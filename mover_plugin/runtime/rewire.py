@@ -54,7 +54,7 @@ def count_references(roots: Iterable[Any], matches: Callable[[Any], bool]) -> in
         if matches(value):
             found += 1
 
-    walker = _Walker(lambda value: count(value))
+    walker = _Walker(count)
     for root in roots:
         walker.visit(root)
     return found

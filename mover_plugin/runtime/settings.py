@@ -9,7 +9,7 @@ config block is read into the same :class:`ResilienceSettings`. Either way
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, fields
+from dataclasses import Field, dataclass, fields
 from typing import Any, Mapping
 
 from mover_plugin.errors import ConfigError
@@ -34,7 +34,7 @@ class ResilienceSettings:
             value = getattr(self, item.name)
             if item.name == "enabled":
                 continue
-            if item.type in (int, "int"):
+            if _is_count(item):
                 if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                     raise ConfigError(f"{_flag(item.name)} {value!r} must be a whole number "
                                       "of at least 0")
@@ -78,11 +78,16 @@ def add_resilience_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     for item in fields(ResilienceSettings):
         if item.name == "enabled":
             continue
-        whole = item.type in (int, "int")
+        whole = _is_count(item)
         group.add_argument(_flag(item.name), dest=_dest(item.name),
                            type=int if whole else float, default=getattr(defaults, item.name),
                            metavar="N" if whole else "SECONDS")
     return parser
+
+
+def _is_count(item: Field) -> bool:
+    """Whether a setting is a whole number (the others are seconds)."""
+    return item.type in (int, "int")
 
 
 def _dest(name: str) -> str:
