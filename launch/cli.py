@@ -115,9 +115,11 @@ def _report(summary: RunSummary, config: LaunchConfig) -> None:
         data = item.to_dict()
         phases = ", ".join(f"{p} +{s:.3f}s" for p, s in data["phases_s"].items())
         downtime = data["downtime_s"]
-        logger.info("interruption: %s of rank %d at step %d (%s): %s; downtime %s", item.kind,
-                    item.rank, item.step, item.how, phases,
-                    "n/a" if downtime is None else f"{downtime:.3f} s")
+        rollback = ("" if item.rolled_back_to is None
+                    else f"; rolled back to the checkpoint of step {item.rolled_back_to}")
+        logger.info("interruption: %s of rank %d at step %d (%s): %s; downtime %s%s",
+                    item.kind, item.rank, item.step, item.how, phases,
+                    "n/a" if downtime is None else f"{downtime:.3f} s", rollback)
 
 
 if __name__ == "__main__":

@@ -125,8 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
         "environment, a controller that outlives the ranks and a policy for failures.",
     )
     add = parser.add_argument
-    add("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", type=_positive_int,
-        default=None, help="Workers per host (default 1; with --hostfile, its slots).")
+    add("--nproc-per-node", "--nproc_per_node", "--num_gpus", "--num_accelerators",
+        dest="nproc_per_node", type=_positive_int, default=None,
+        help="Workers per host (default 1; with --hostfile, its slots). --num_gpus and "
+        "--num_accelerators are the deepspeed launcher's names for it.")
     add("--nnodes", type=_positive_int, default=None, help="Number of hosts (default 1).")
     add("--node-rank", "--node_rank", dest="node_rank", type=_non_negative_int, default=None,
         help="This host's index among the hosts (default 0).")
@@ -140,13 +142,19 @@ def build_parser() -> argparse.ArgumentParser:
     add("--hostfile", default=None,
         help="File with one 'host slots=N' line per host. Hosts naming this machine get an "
         "agent each from this command; other hosts run 'mover-launch --node-rank N' themselves.")
-    add("--policy", default="restart", type=_choice("--policy", POLICIES),
+    add("--no_ssh", "--no-ssh", dest="no_ssh", action="store_true",
+        help="Accepted for the deepspeed launcher's sake: mover-launch never uses ssh (each "
+        "host runs its own mover-launch --node-rank N).")
+    add("--policy", default=None, type=_choice("--policy", POLICIES),
         help="What to do when a worker dies. restart: stop all workers, start all again; the "
         "script resumes from its latest checkpoint. resilient: a standby takes the lost rank's "
-        "place in the running job (the script must run with --resilient); without a standby "
-        "or a data-parallel twin it falls back to restart.")
+        "place in the running job (the script must run with --resilient, or a DeepSpeed "
+        "config with a \"resilience\" block); without a standby or a data-parallel twin it "
+        "falls back to restart. Default: resilient when the script's --deepspeed_config has "
+        "an enabled \"resilience\" block, else restart.")
     add("--standbys", type=_non_negative_int, default=None,
-        help="Standby processes per host (resilient policy; default 1).")
+        help="Standby processes per host (resilient policy; default 1, or the DeepSpeed "
+        "config's \"resilience.standbys\").")
     add("--event-log", dest="event_log", default=None, metavar="PATH",
         help="Append the controller's events to PATH as JSON lines.")
     add("--max-restarts", "--max_restarts", dest="max_restarts", type=_non_negative_int,
@@ -186,6 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_launch_args(argv: Sequence[str], python: str) -> LaunchConfig:
     """Parses and checks ``mover-launch`` flags; raises :class:`ConfigError` on bad input."""
     args = build_parser().parse_args(list(argv))
+    _apply_deepspeed_block(args)
     nodes = _nodes(args)
     world_size = sum(node.nproc for node in nodes)
     local, runs_controller = _local_nodes(args, nodes)
@@ -300,6 +309,23 @@ def _check_slow_rank_policy(args: argparse.Namespace) -> None:
     if args.slow_rank_factor is not None and args.policy != "resilient":
         raise ConfigError(f"--slow-rank-factor {args.slow_rank_factor:g} needs --policy "
                           "resilient (a slow rank is migrated to a standby)")
+
+
+def _apply_deepspeed_block(args: argparse.Namespace) -> None:
+    """Takes the policy and standbys from the ``"resilience"`` block of the script's DeepSpeed
+    config (checked here, before anything starts) where the flags do not set them."""
+    from mover_plugin.deepspeed.config import config_path_in, load_ds_config
+
+    path = config_path_in(args.script_args)
+    block = load_ds_config(path)[1] if path is not None else None
+    enabled = block is not None and block.settings.enabled
+    if args.policy is None:
+        args.policy = "resilient" if enabled else "restart"
+    elif enabled and args.policy != "resilient":
+        raise ConfigError(f"--policy {args.policy}: the DeepSpeed config {path} enables "
+                          "\"resilience\"; drop --policy or set \"resilience.enabled\" to false")
+    if enabled and args.standbys is None:
+        args.standbys = block.standbys
 
 
 def _standbys(args: argparse.Namespace) -> int:

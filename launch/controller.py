@@ -503,6 +503,18 @@ class Controller:
             self._interruption.mark("switched", max(self._switched.values()))
         return None
 
+    def _on_rolled_back(self, event: dict[str, Any]) -> Optional[int]:
+        """After a crash the ranks could not continue in place (a DeepSpeed job whose lost
+        optimizer shard no live rank holds): each rolled back to the last checkpoint."""
+        self.log.write("rolled_back", "switch", generation=event["generation"],
+                       rank=event["rank"], when=event["time"], iteration=event["iteration"],
+                       reason=event["reason"], load_s=event["load_s"])
+        if self._interruption is not None and self._interruption.rolled_back_to is None:
+            self._interruption.rolled_back_to = event["iteration"]
+            logger.info("rolled back to the checkpoint of step %d: %s", event["iteration"],
+                        event["reason"])
+        return None
+
     # planned migration
 
     def _on_busy(self, event: dict[str, Any]) -> Optional[int]:

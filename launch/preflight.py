@@ -1,6 +1,7 @@
 """Checking a training script's own flags before any worker starts.
 
-A script that parses its flags with mover_plugin (``mover_plugin.megatron.arguments``) checks
+A script that parses its flags with mover_plugin (``mover_plugin.megatron.arguments``,
+``mover_plugin.deepspeed.arguments``; :mod:`mover_plugin.runtime.preflight`) checks
 them when ``MOVER_PREFLIGHT=1`` is set, before importing its framework, and exits: with a line
 starting :data:`PREFLIGHT_OK` on stdout, or with :data:`PREFLIGHT_ERROR` and the message on
 stderr. The launcher runs it that way once, with the job's ``WORLD_SIZE``, so that bad input
@@ -16,20 +17,20 @@ from pathlib import Path
 
 from mover_plugin.errors import ConfigError
 from mover_plugin.launch.config import LaunchConfig
+from mover_plugin.runtime.preflight import PREFLIGHT_ENV, PREFLIGHT_ERROR, PREFLIGHT_OK
 
-PREFLIGHT_ENV = "MOVER_PREFLIGHT"
-PREFLIGHT_OK = "MOVER_PREFLIGHT_OK"
-PREFLIGHT_ERROR = "MOVER_PREFLIGHT_ERROR"
-_MARKER = "mover_plugin.megatron"
+_MARKERS = ("mover_plugin.megatron", "mover_plugin.deepspeed")
+"""A script that imports one of these parses its flags with mover_plugin."""
 _TIMEOUT_S = 120.0
 
 
 def supports_preflight(script: str) -> bool:
     """True when the script parses its flags with mover_plugin."""
     try:
-        return _MARKER in Path(script).read_text(errors="replace")
+        text = Path(script).read_text(errors="replace")
     except OSError:
         return False
+    return any(marker in text for marker in _MARKERS)
 
 
 def run_preflight(config: LaunchConfig) -> None:

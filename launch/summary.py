@@ -54,6 +54,9 @@ class Interruption:
     """Per survivor: seconds from the failure until it left the failed step."""
     last_step_before: Optional[float] = None
     step_time_before: Optional[float] = None
+    rolled_back_to: Optional[int] = None
+    """The checkpoint's step every rank went back to, when the ranks could not continue in
+    place (DeepSpeed, a lost optimizer shard that no live rank holds)."""
 
     def mark(self, phase: str, when: float) -> None:
         assert phase in PHASES, phase
@@ -77,6 +80,7 @@ class Interruption:
             "attempt": self.attempt,
             "generation": self.generation,
             "recovery": self.recovery,
+            "rolled_back_to": self.rolled_back_to,
             "times": {p: self.times[p] for p in PHASES if p in self.times},
             "phases_s": {
                 p: round(self.times[p] - origin, 6)

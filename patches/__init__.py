@@ -15,7 +15,9 @@ tested for, and a condition saying when it is wanted. The patches are:
   ``AppliedPatches.skipped``. The ``megatron-cpu`` group (:mod:`mover_plugin.patches.megatron_cpu`)
   applies only while ``torch.cuda.is_available()`` is False. The ``local-collectives`` patch
   (:mod:`mover_plugin.patches.local_collectives`) keeps a joining standby's model build from
-  talking to the running ranks.
+  talking to the running ranks. The ``deepspeed-cpu`` group
+  (:mod:`mover_plugin.patches.deepspeed_cpu`) lets DeepSpeed 0.19 train on CPU processes and
+  re-enter a training step that lost a peer.
 
 Applying a patch that is already applied raises :class:`~mover_plugin.errors.PatchError`.
 
@@ -28,7 +30,7 @@ Example::
         ...                   # build and train a Megatron-Core model on CPU with gloo
 """
 
-from mover_plugin.patches import local_collectives, megatron_cpu
+from mover_plugin.patches import deepspeed_cpu, local_collectives, megatron_cpu
 from mover_plugin.patches.registry import (
     DEFAULT_REGISTRY,
     AppliedPatches,
@@ -53,6 +55,7 @@ __all__ = [
     "active_patches",
     "apply_patches",
     "available_patches",
+    "deepspeed_cpu",
     "local_collectives",
     "megatron_cpu",
     "patch_groups",

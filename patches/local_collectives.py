@@ -3,11 +3,13 @@
 A standby that takes a lost rank's place builds the model, DDP and optimizer exactly as a
 rank does at start-up. That construction runs a few collectives the running ranks will not
 match: Megatron-Core's ``GPTModel`` all-reduces the tied embedding over the embedding group
-(first and last pipeline stage) and ``get_megatron_optimizer`` all-gathers over WORLD. Their
-results are overwritten by the state the joiner then receives from its twin, so during the
-build this patch makes them local: ``all_reduce``, ``broadcast`` and ``barrier`` leave their
-inputs as they are, ``all_gather_object`` fills every slot with this rank's object and
-``all_gather``/``all_gather_into_tensor`` with this rank's tensor. Use it only around the
+(first and last pipeline stage) and ``get_megatron_optimizer`` all-gathers over WORLD;
+DeepSpeed's pipeline engine primes its point-to-point links with a send and a receive between
+neighbouring stages. Their results are overwritten by the state the joiner then receives from
+its twin, so during the build this patch makes them local: ``all_reduce``, ``broadcast``,
+``barrier``, ``send`` and ``recv`` leave their inputs as they are, ``all_gather_object`` fills
+every slot with this rank's object and ``all_gather``/``all_gather_into_tensor`` with this
+rank's tensor. Use it only around the
 joiner's build, as a ``with`` block.
 """
 
@@ -45,7 +47,7 @@ def _gather_into_tensor_locally(output: torch.Tensor, tensor: torch.Tensor, *arg
 
 def _apply() -> Undo:
     swap = AttributeSwap()
-    for name in ("all_reduce", "broadcast", "barrier"):
+    for name in ("all_reduce", "broadcast", "barrier", "send", "recv"):
         swap.set_attr(dist, name, _no_op)
     swap.set_attr(dist, "all_gather_object", _gather_object_locally)
     swap.set_attr(dist, "all_gather", _gather_locally)

@@ -71,19 +71,16 @@ def test_sigkill_of_any_rank_is_survived_exactly(tmp_path, reference_pp2, rank, 
     assert joiner["adopted"] == (rank >= 2)
 
 
-def test_two_failures_with_two_standbys(tmp_path, reference_pp2):
-    result, summary, events = resilient_run(tmp_path, "1:4", "2:7", standbys=2)
+def test_a_kill_and_a_hang_with_two_standbys_are_both_survived(tmp_path, reference_pp2):
+    """Two failures in one run: rank 1 killed (SIGKILL), later rank 2 hung (SIGSTOP: found by
+    its missing heartbeats, killed and replaced)."""
+    flags = [*PP2, "--resilient-failure-timeout-s", "3"]
+    result, summary, events = resilient_run(tmp_path, "1:4", "2:7:SIGSTOP", standbys=2,
+                                            script_flags=flags)
     assert digest(result) == digest(reference_pp2)
     assert [i["rank"] for i in summary["interruptions"]] == [1, 2]
+    assert [i["kind"] for i in summary["interruptions"]] == ["failure", "hang"]
     assert [i["recovery"] for i in summary["interruptions"]] == ["standby", "standby"]
-
-
-def test_a_hung_rank_is_found_killed_and_replaced(tmp_path, reference_pp2):
-    flags = [*PP2, "--resilient-failure-timeout-s", "3"]
-    result, summary, events = resilient_run(tmp_path, "2:5:SIGSTOP", script_flags=flags)
-    assert digest(result) == digest(reference_pp2)
-    (interruption,) = summary["interruptions"]
-    assert interruption["kind"] == "hang" and interruption["recovery"] == "standby"
     assert [e["rank"] for e in events if e["event"] == "hung"] == [2]
 
 

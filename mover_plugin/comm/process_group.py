@@ -273,6 +273,11 @@ class MoverProcessGroup(NamedProcessGroup):
                         len(pending))
         retired.retire(self._name(), backends, pending)
 
+    @property
+    def timeout(self) -> timedelta:
+        """The backends' default operation timeout."""
+        return self._timeout
+
     def set_timeout(self, timeout: timedelta) -> None:
         """Sets the backends' default operation timeout."""
         self._timeout = timeout

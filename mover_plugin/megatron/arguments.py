@@ -14,17 +14,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from mover_plugin.errors import ConfigError
 from mover_plugin.layout import ParallelLayout
+from mover_plugin.runtime.preflight import checked_or_exit
 from mover_plugin.runtime.settings import ResilienceSettings
-
-PREFLIGHT_ENV = "MOVER_PREFLIGHT"
-PREFLIGHT_OK = "MOVER_PREFLIGHT_OK"
-PREFLIGHT_ERROR = "MOVER_PREFLIGHT_ERROR"
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 BACKENDS = ("gloo", "nccl")
@@ -146,17 +142,7 @@ def parse_args_or_exit(
     With ``MOVER_PREFLIGHT=1`` (set by ``mover-launch`` for its check before the workers start)
     it reports the outcome in the form the launcher reads and exits either way.
     """
-    preflight = os.environ.get(PREFLIGHT_ENV) == "1"
-    try:
-        args = parse_args(argv, extra_args_provider=extra_args_provider)
-    except ConfigError as error:
-        prefix = f"{PREFLIGHT_ERROR}: " if preflight else "error: "
-        print(f"{prefix}{error}", file=sys.stderr)
-        sys.exit(2)
-    if preflight:
-        print(PREFLIGHT_OK, flush=True)
-        sys.exit(0)
-    return args
+    return checked_or_exit(lambda: parse_args(argv, extra_args_provider=extra_args_provider))
 
 
 def _fill_defaults(args: argparse.Namespace) -> None:

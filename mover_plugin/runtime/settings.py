@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import Field, dataclass, fields
-from typing import Any, Mapping
+from typing import Callable, Optional
 
 from mover_plugin.errors import ConfigError
 
@@ -29,28 +29,33 @@ class ResilienceSettings:
     """Training iterations a standby runs in the sandbox per pipeline role while it warms up
     (0: it only imports and waits)."""
 
-    def validate(self) -> "ResilienceSettings":
+    def validate(self, name: Optional[Callable[[str], str]] = None) -> "ResilienceSettings":
+        """Checks every value; errors name each setting with ``name`` (by default its
+        command-line flag)."""
+        label = name or _flag_of
         for item in fields(self):
             value = getattr(self, item.name)
             if item.name == "enabled":
+                if not isinstance(value, bool):
+                    raise ConfigError(f"{label(item.name)} {value!r} must be true or false")
                 continue
             if _is_count(item):
                 if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                    raise ConfigError(f"{_flag(item.name)} {value!r} must be a whole number "
+                    raise ConfigError(f"{label(item.name)} {value!r} must be a whole number "
                                       "of at least 0")
             elif isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ConfigError(f"{_flag(item.name)} {value!r} must be a positive number "
+                raise ConfigError(f"{label(item.name)} {value!r} must be a positive number "
                                   "of seconds")
         if self.heartbeat_interval_s >= self.failure_timeout_s:
             raise ConfigError(
-                f"{_flag('heartbeat_interval_s')} {self.heartbeat_interval_s} must be below "
-                f"{_flag('failure_timeout_s')} {self.failure_timeout_s}, or a live worker "
+                f"{label('heartbeat_interval_s')} {self.heartbeat_interval_s} must be below "
+                f"{label('failure_timeout_s')} {self.failure_timeout_s}, or a live worker "
                 "would be declared hung between two heartbeats"
             )
         if self.failure_timeout_s >= self.collective_timeout_s:
             raise ConfigError(
-                f"{_flag('failure_timeout_s')} {self.failure_timeout_s} must be below "
-                f"{_flag('collective_timeout_s')} {self.collective_timeout_s}, or survivors "
+                f"{label('failure_timeout_s')} {self.failure_timeout_s} must be below "
+                f"{label('collective_timeout_s')} {self.collective_timeout_s}, or survivors "
                 "would give up on a collective before a hung peer is replaced"
             )
         return self
@@ -58,14 +63,6 @@ class ResilienceSettings:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ResilienceSettings":
         return cls(**{f.name: getattr(args, _dest(f.name)) for f in fields(cls)}).validate()
-
-    @classmethod
-    def from_mapping(cls, values: Mapping[str, Any], where: str) -> "ResilienceSettings":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ConfigError(f"{where}: unknown key(s) {unknown}; valid: {sorted(known)}")
-        return cls(**values).validate()
 
 
 def add_resilience_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -79,7 +76,7 @@ def add_resilience_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         if item.name == "enabled":
             continue
         whole = _is_count(item)
-        group.add_argument(_flag(item.name), dest=_dest(item.name),
+        group.add_argument(_flag_of(item.name), dest=_dest(item.name),
                            type=int if whole else float, default=getattr(defaults, item.name),
                            metavar="N" if whole else "SECONDS")
     return parser
@@ -94,5 +91,5 @@ def _dest(name: str) -> str:
     return "resilient" if name == "enabled" else f"resilient_{name}"
 
 
-def _flag(name: str) -> str:
+def _flag_of(name: str) -> str:
     return "--" + _dest(name).replace("_", "-")

@@ -1,0 +1,185 @@
+#!/usr/bin/env python
+"""Benchmark: DeepSpeed crash downtime with a standby vs torchrun restarting the whole group.
+
+The same DeepSpeed job (examples/ds_pretrain_gpt.py: PipelineModule PP2 x DP2, ZeRO-1, 4 CPU
+processes, 10 steps, a checkpoint every step) and the same failure (SIGKILL of rank 3 when it
+begins step 6) run three ways, interleaved, ``--repeats`` times each:
+
+* ``resilient``: ``mover-launch`` with a ``"resilience"`` block and ``peer_copy`` on — the
+  standby takes rank 3's place in the running job (downtime from the run summary, detection
+  included);
+* ``torchrun``: ``torchrun --standalone --max-restarts 1`` restarts all four workers, which
+  resume from the checkpoint (the c10d rendezvous with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``:
+  with a static ``--master-port`` restarted gloo workers cannot reconnect). This script
+  delivers the SIGKILL itself and timestamps the workers' step lines as they arrive;
+* ``restart``: ``mover-launch --policy restart`` (the same, under our launcher).
+
+Downtime everywhere = (first step completed after the failure - the failure) - one median
+step time. Printed: each policy's median downtime, ``DOWNTIME_RATIO`` torchrun/resilient (goal
+>= 20x), the resilient phases, worker peak RSS and step time with the peer copy on vs off
+(failure-free), and the peer copy's size per rank; every run must end with the same
+``PARAMS_DIGEST``.
+
+Usage::
+
+    python bench/ds_resilient_vs_restart.py --repeats 3
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from common import check_same_digest, interleaved, repeats_argument
+from mover_plugin.testing import run_command
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = str(ROOT / "examples" / "ds_pretrain_gpt.py")
+STEPS = 10
+FAILED_RANK, FAILED_STEP = 3, 6
+STEP_LINE = re.compile(r"^step\s+(\d+)/")
+
+
+def script_flags(folder: Path, config: Path) -> list[str]:
+    checkpoints = str(folder / "ckpt")
+    return [EXAMPLE, "--train-iters", str(STEPS), "--deepspeed_config", str(config),
+            "--save", checkpoints, "--load", checkpoints, "--save-interval", "1"]
+
+
+def write_config(out: Path, name: str, block: dict | None) -> Path:
+    config = json.loads((ROOT / "examples" / "ds_config.json").read_text())
+    if block is not None:
+        config["resilience"] = block
+    path = out / f"{name}.json"
+    path.write_text(json.dumps(config, indent=2))
+    return path
+
+
+def run_mover(out: Path, name: str, config: Path, failure: bool) -> dict:
+    folder = out / name
+    folder.mkdir(parents=True)
+    command = [sys.executable, "-m", "mover_plugin.launch.cli", "--standalone", "--num_gpus",
+               "4", "--summary", str(folder / "summary.json"), "--event-log",
+               str(folder / "events.jsonl")]
+    if failure:
+        command += ["--inject-failure", f"{FAILED_RANK}:{FAILED_STEP}"]
+    result = run_command([*command, *script_flags(folder, config)], timeout_s=600)
+    if result.returncode != 0:
+        raise SystemExit(f"{name} failed:\n{result.output[-3000:]}")
+    summary = json.loads((folder / "summary.json").read_text())
+    summary["digest"] = result.lines_starting("PARAMS_DIGEST")[0].split()[1]
+    peer = result.lines_starting("PEER_COPY_MB")
+    summary["peer_copy_mb"] = peer[0].split()[1] if peer else None
+    (interruption,) = summary["interruptions"] or [None]
+    summary["downtime_s"] = interruption["downtime_s"] if interruption else None
+    return summary
+
+
+def run_torchrun(out: Path, name: str, config: Path) -> dict:
+    """torchrun with one restart; the SIGKILL goes to rank 3 once step 5 is reported."""
+    folder = out / name
+    folder.mkdir(parents=True)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", "4", "--max-restarts", "1", *script_flags(folder, config)]
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, env=env, start_new_session=True)
+    arrivals: list[tuple[int, float]] = []
+    killed_at = None
+    output = []
+    for line in process.stdout:
+        now = time.time()
+        output.append(line)
+        match = STEP_LINE.match(line)
+        if match:
+            arrivals.append((int(match.group(1)), now))
+            if killed_at is None and int(match.group(1)) == FAILED_STEP - 1:
+                os.kill(worker_pid(process.pid, FAILED_RANK), signal.SIGKILL)
+                killed_at = time.time()
+    process.wait(timeout=600)
+    text = "".join(output)
+    if process.returncode != 0 or killed_at is None:
+        raise SystemExit(f"{name} failed (rc {process.returncode}):\n{text[-3000:]}")
+    step_times = [b[1] - a[1] for a, b in zip(arrivals, arrivals[1:])
+                  if b[0] == a[0] + 1 and a[1] < killed_at]
+    resumed = next(t for step, t in arrivals if t > killed_at)
+    digest = [l for l in text.splitlines() if l.startswith("PARAMS_DIGEST")][0].split()[1]
+    return {"downtime_s": resumed - killed_at - statistics.median(step_times),
+            "digest": digest}
+
+
+def worker_pid(root: int, rank: int) -> int:
+    """The process under ``root`` whose environment says RANK=rank."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+            session = os.getsid(int(entry.name))
+        except (OSError, ProcessLookupError):
+            continue
+        if session == root and f"RANK={rank}".encode() in environ and int(entry.name) != root:
+            return int(entry.name)
+    raise SystemExit(f"no worker with RANK={rank} under {root}")
+
+
+def main() -> None:
+    args = repeats_argument(__doc__, default=3)
+    with tempfile.TemporaryDirectory(prefix="bench-ds-") as folder:
+        out = Path(folder)
+        configs = {"resilient": write_config(out, "resilient", {"peer_copy": True}),
+                   "no-copy": write_config(out, "no-copy", {"peer_copy": False}),
+                   "plain": write_config(out, "plain", None)}
+        jobs = {
+            "resilient": lambda name: run_mover(out, name, configs["resilient"], failure=True),
+            "torchrun": lambda name: run_torchrun(out, name, configs["plain"]),
+            "restart": lambda name: run_mover(out, name, configs["plain"], failure=True),
+            "clean-peer-copy": lambda name: run_mover(out, name, configs["resilient"],
+                                                      failure=False),
+            "clean-no-copy": lambda name: run_mover(out, name, configs["no-copy"],
+                                                    failure=False),
+        }
+        runs = interleaved(list(jobs), args.repeats,
+                           lambda mode, repeat: jobs[mode](f"{mode}-{repeat}"), describe)
+    check_same_digest(runs)
+    report(runs)
+
+
+def describe(result: dict) -> str:
+    downtime = result["downtime_s"]
+    return "no failure" if downtime is None else f"downtime {downtime:.3f} s"
+
+
+def report(runs: dict[str, list[dict]]) -> None:
+    median = {name: statistics.median(r["downtime_s"] for r in runs[name])
+              for name in ("resilient", "torchrun", "restart")}
+    for name, value in median.items():
+        values = ", ".join(f"{r['downtime_s']:.3f}" for r in runs[name])
+        print(f"{name:9s} downtime median {value:7.3f} s ({values})")
+    print(f"DOWNTIME_RATIO torchrun/resilient {median['torchrun'] / median['resilient']:.1f}x "
+          "(goal >= 20x)")
+    print(f"DOWNTIME_RATIO restart/resilient {median['restart'] / median['resilient']:.1f}x")
+    print("resilient phases, seconds after the failure (median):")
+    interruptions = [r["interruptions"][0] for r in runs["resilient"]]
+    for phase in ("detected", "alarm", "left", "switched", "first_step_completed"):
+        values = [i["phases_s"][phase] for i in interruptions if phase in i["phases_s"]]
+        if values:
+            print(f"  {phase:22s} {statistics.median(values):8.3f}")
+    for field, label in (("worker_peak_rss_mb", "worker peak RSS MB"),
+                         ("median_step_time_s", "median step time s")):
+        on = statistics.median(r[field] for r in runs["clean-peer-copy"])
+        off = statistics.median(r[field] for r in runs["clean-no-copy"])
+        print(f"{label}: peer copy off {off:.4f}, on {on:.4f} ({100 * (on / off - 1):+.1f} %)")
+    print(f"PEER_COPY_MB per rank (ranks 0..3): {runs['clean-peer-copy'][0]['peer_copy_mb']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""The ``"resilience"`` block of a DeepSpeed config: what it may hold, and its checks.
+
+A DeepSpeed user switches resilience on by adding the block to the config file the script
+already passes to ``deepspeed.initialize``::
+
+    "resilience": {"standbys": 1, "peer_copy": true, "failure_timeout_s": 5}
+
+Every key is optional. ``enabled`` (default true), the timeouts ``heartbeat_interval_s``,
+``failure_timeout_s`` and ``collective_timeout_s`` are the settings of
+:class:`~mover_plugin.runtime.settings.ResilienceSettings`, with the same defaults and checks as
+the Megatron flags; ``standbys`` (default 1) is the number of standby processes per host that
+``mover-launch`` starts; ``peer_copy`` (default false) keeps a copy of each rank's ZeRO optimizer
+shard on a data-parallel peer, so a lost shard is taken from there instead of rolling every
+rank back to the last checkpoint.
+
+``mover-launch`` reads the block from the script's ``--deepspeed_config`` before anything
+starts, and the training script reads it again with :func:`load_ds_config`, which also returns
+the config without the block for ``deepspeed.initialize``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Sequence
+
+from mover_plugin.errors import ConfigError
+from mover_plugin.runtime.settings import ResilienceSettings
+
+BLOCK = "resilience"
+CONFIG_FLAGS = ("--deepspeed_config", "--deepspeed-config")
+"""The script flags that name the DeepSpeed config (``deepspeed.add_config_arguments``)."""
+_LAUNCH_KEYS = ("standbys", "peer_copy")
+_NOT_FOR_DEEPSPEED = {
+    "standby_shadow_iterations": "a DeepSpeed standby does not warm up in a sandbox (it "
+                                 "imports DeepSpeed and waits)",
+}
+
+
+@dataclass(frozen=True)
+class DeepSpeedResilience:
+    """The checked ``"resilience"`` block."""
+
+    settings: ResilienceSettings = field(default_factory=ResilienceSettings)
+    standbys: int = 1
+    peer_copy: bool = False
+
+
+def parse_block(block: Any, where: str) -> DeepSpeedResilience:
+    """Checks a ``"resilience"`` block (``where`` names the config file in errors)."""
+    try:
+        return _parse_block(block)
+    except ConfigError as error:
+        raise ConfigError(f"{where}: {error}") from None
+
+
+def _parse_block(block: Any) -> DeepSpeedResilience:
+    def name(key: str) -> str:
+        return f'"{BLOCK}.{key}"'
+
+    if not isinstance(block, Mapping):
+        raise ConfigError(f'"{BLOCK}" must be an object of settings, not {block!r}')
+    for key, why in _NOT_FOR_DEEPSPEED.items():
+        if key in block:
+            raise ConfigError(f"{name(key)} is not a DeepSpeed setting: {why}")
+    valid = sorted({*ResilienceSettings.__dataclass_fields__, *_LAUNCH_KEYS}
+                   - set(_NOT_FOR_DEEPSPEED))
+    unknown = sorted(set(block) - set(valid))
+    if unknown:
+        raise ConfigError(f"{name(unknown[0])} is not a setting; valid keys: {valid}")
+    standbys = block.get("standbys", 1)
+    if isinstance(standbys, bool) or not isinstance(standbys, int) or standbys < 0:
+        raise ConfigError(f"{name('standbys')} {standbys!r} must be a whole number of at "
+                          "least 0")
+    peer_copy = block.get("peer_copy", False)
+    if not isinstance(peer_copy, bool):
+        raise ConfigError(f"{name('peer_copy')} {peer_copy!r} must be true or false")
+    values = {"enabled": True, **{k: v for k, v in block.items() if k not in _LAUNCH_KEYS}}
+    settings = ResilienceSettings(**values).validate(name)
+    return DeepSpeedResilience(settings, standbys, peer_copy)
+
+
+def read_config(path: str) -> dict[str, Any]:
+    """A DeepSpeed config file as a dict (JSON); errors name the file."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            config = json.load(handle)
+    except FileNotFoundError:
+        raise ConfigError(f"DeepSpeed config {path!r} does not exist") from None
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"DeepSpeed config {path!r} is not readable JSON: {error}") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"DeepSpeed config {path!r} must hold a JSON object")
+    return config
+
+
+def load_ds_config(path: str) -> tuple[dict[str, Any], Optional[DeepSpeedResilience]]:
+    """The config for ``deepspeed.initialize`` (without the block) and the checked block
+    (None when absent)."""
+    config = read_config(path)
+    block = config.pop(BLOCK, None)
+    return config, None if block is None else parse_block(block, os.path.basename(path))
+
+
+def config_path_in(script_args: Sequence[str]) -> Optional[str]:
+    """The value of ``--deepspeed_config`` among a script's arguments, if any."""
+    for index, arg in enumerate(script_args):
+        for flag in CONFIG_FLAGS:
+            if arg == flag and index + 1 < len(script_args):
+                return script_args[index + 1]
+            if arg.startswith(flag + "="):
+                return arg.partition("=")[2]
+    return None

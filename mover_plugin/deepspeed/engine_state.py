@@ -1,0 +1,123 @@
+"""What a DeepSpeed pipeline engine holds, from the resilience runtime's point of view.
+
+- :func:`shard_tensors`: a rank's own ZeRO stage-1 optimizer shard — for each parameter group
+  the fp32 master partition and the optimizer's state of it (Adam's step, first and second
+  moments) — as a list of live tensors, in a fixed order, equal in shapes on every rank of a
+  data-parallel group (ZeRO pads the partitions to one size). A fresh optimizer has no state
+  until its first step; :func:`ensure_optimizer_state` creates it (zeros) so that a joiner can
+  receive a shard in place. Without ZeRO (stage 0) the optimizer state is replicated and the
+  "shard" is the whole of it.
+- :func:`counters` / :func:`restore_counters`: the engine's step counters;
+  :func:`hyperparameters` / :func:`set_hyperparameters`: the optimizer's parameter-group
+  settings, which the learning-rate scheduler sets after each update.
+- :func:`reset_interrupted_step`: what a ``train_batch`` that was left in the middle leaves
+  behind — accumulated gradients, ZeRO's reduction buckets and bookkeeping, the pipeline's
+  activation-shape handshake — cleared, so the iteration can be run again.
+
+Written for DeepSpeed 0.19.8's ``DeepSpeedZeroOptimizer`` and ``PipelineEngine``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+_COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")
+_ADAM_STATE = ("step", "exp_avg", "exp_avg_sq")
+
+
+def zero_optimizer(engine: Any) -> Any:
+    """The engine's ZeRO stage-1/2 optimizer, or None without ZeRO."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    optimizer = engine.optimizer
+    return optimizer if isinstance(optimizer, DeepSpeedZeroOptimizer) else None
+
+
+def _optimized_tensors(engine: Any) -> tuple[Any, list[torch.Tensor]]:
+    """The base optimizer and the tensors it updates (ZeRO's fp32 partitions, or the
+    parameters)."""
+    zero = zero_optimizer(engine)
+    if zero is not None:
+        return zero.optimizer, list(zero.single_partition_of_fp32_groups)
+    optimizer = engine.optimizer
+    return optimizer, [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def ensure_optimizer_state(engine: Any) -> None:
+    """Gives every optimized tensor an (all-zero) Adam state if it has none yet."""
+    optimizer, tensors = _optimized_tensors(engine)
+    for tensor in tensors:
+        state = optimizer.state[tensor]
+        if not state:
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"] = torch.zeros_like(tensor, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(tensor, memory_format=torch.preserve_format)
+
+
+def shard_tensors(engine: Any) -> list[torch.Tensor]:
+    """This rank's optimizer shard as live tensors (writing into them changes the shard)."""
+    optimizer, tensors = _optimized_tensors(engine)
+    shard = []
+    for tensor in tensors:
+        state = optimizer.state[tensor]
+        missing = [key for key in _ADAM_STATE if key not in state]
+        if missing:
+            raise KeyError(f"optimizer state lacks {missing}: mover_plugin handles Adam/AdamW "
+                           "state (step, exp_avg, exp_avg_sq)")
+        shard.append(tensor.data)
+        shard.extend(state[key].view(-1) if key == "step" else state[key] for key in _ADAM_STATE)
+    return shard
+
+
+def hyperparameters(engine: Any) -> list[dict[str, Any]]:
+    """The optimizer's parameter-group settings (learning rate, betas, weight decay, ...)."""
+    return [{key: value for key, value in group.items() if key != "params"}
+            for group in engine.optimizer.param_groups]
+
+
+def set_hyperparameters(engine: Any, settings: list[dict[str, Any]]) -> None:
+    for group, values in zip(engine.optimizer.param_groups, settings, strict=True):
+        group.update(values)
+
+
+def counters(engine: Any) -> dict[str, int]:
+    return {name: getattr(engine, name) for name in _COUNTERS}
+
+
+def restore_counters(engine: Any, values: dict[str, int]) -> None:
+    for name, value in values.items():
+        setattr(engine, name, value)
+
+
+def reset_interrupted_step(engine: Any) -> None:
+    """Clears what an interrupted ``train_batch`` left behind (see the module docstring)."""
+    zero = zero_optimizer(engine)
+    if zero is not None:
+        _reset_zero_reduction(zero)
+    engine.optimizer.zero_grad(set_to_none=True)
+    for parameter in engine.module.parameters():
+        parameter.grad = None
+    engine.reset_activation_shape()
+    for timer in engine.timers.timers.values():
+        timer.reset()
+
+
+def _reset_zero_reduction(zero: Any) -> None:
+    from deepspeed.runtime.zero.stage_1_and_2 import INITIAL_MICRO_STEP_ID
+
+    for bucket in zero.ipg_buckets.values():
+        bucket.clear()
+        bucket.buffer.clear()
+        bucket.index = 0
+    for index in range(len(zero.params_already_reduced)):
+        zero.params_already_reduced[index] = False
+    for table in (zero.averaged_gradients, zero.all_grad_tensors):
+        for key in list(table):
+            table[key] = None
+    zero.extra_large_param_to_reduce.clear()
+    zero.previous_reduced_grads.clear()
+    for partition in zero.single_partition_of_fp32_groups:
+        partition.grad = None
+    zero.micro_step_id = INITIAL_MICRO_STEP_ID
