@@ -117,17 +117,25 @@ def run_torchrun(out: Path, name: str, config: Path) -> dict:
 
 
 def worker_pid(root: int, rank: int) -> int:
-    """The process under ``root`` whose environment says RANK=rank."""
+    """The descendant of ``root`` whose environment says RANK=rank."""
+    parents = {}
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
         try:
-            environ = (entry / "environ").read_bytes().split(b"\0")
-            session = os.getsid(int(entry.name))
-        except (OSError, ProcessLookupError):
+            if entry.name.isdigit():
+                stat = (entry / "stat").read_text()
+                parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+        except OSError:
             continue
-        if session == root and f"RANK={rank}".encode() in environ and int(entry.name) != root:
-            return int(entry.name)
+    descendants, frontier = set(), {root}
+    while frontier:
+        frontier = {pid for pid, parent in parents.items() if parent in frontier} - descendants
+        descendants |= frontier
+    for pid in sorted(descendants):
+        try:
+            if f"RANK={rank}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                return pid
+        except OSError:
+            continue
     raise SystemExit(f"no worker with RANK={rank} under {root}")
 
 

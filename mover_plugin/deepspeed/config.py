@@ -34,7 +34,7 @@ CONFIG_FLAGS = ("--deepspeed_config", "--deepspeed-config")
 _LAUNCH_KEYS = ("standbys", "peer_copy")
 _NOT_FOR_DEEPSPEED = {
     "standby_shadow_iterations": "a DeepSpeed standby does not warm up in a sandbox (it "
-                                 "imports DeepSpeed and waits)",
+                                 "imports what deepspeed.initialize needs and waits)",
 }
 
 
