@@ -46,14 +46,24 @@ def resilient_run(tmp_path, block, *launcher_flags, script_flags=()):
     return result, json.loads(summary.read_text()), read_events(events)
 
 
-def test_a_killed_rank_whose_shard_a_peer_holds_is_replaced_in_place(tmp_path, reference):
-    result, summary, events = resilient_run(tmp_path, {"peer_copy": True},
-                                            "--inject-failure", "2:4")
+def test_a_migration_then_a_crash_both_continue_in_place(tmp_path, reference):
+    """Rank 3 migrates (its own shard and the copy it holds go to the joiner), then rank 2 is
+    killed: the migrated-in rank 3 holds rank 2's shard, and the job continues without a
+    rollback."""
+    result, summary, events = resilient_run(tmp_path, {"peer_copy": True, "standbys": 2},
+                                            "--inject-migration", "3:3",
+                                            "--inject-failure", "2:6")
     assert digest(result) == digest(reference)
-    (interruption,) = summary["interruptions"]
-    assert interruption["recovery"] == "standby" and summary["restarts"] == 0
+    assert [(i["kind"], i["rank"]) for i in summary["interruptions"]] == [("migration", 3),
+                                                                         ("failure", 2)]
+    assert summary["interruptions"][1]["recovery"] == "standby" and summary["restarts"] == 0
+    assert [e["rank"] for e in events if e["event"] == "handed_over"] == [3]
+    (leaver,) = [e for e in events if e["event"] == "leaver_exit"]
+    assert leaver["rank"] == 3 and leaver["how"] == "exit code 0"
     assert not [e for e in events if e["event"] == "rolled_back"]
-    switched = {e["rank"]: e["role"] for e in events if e["event"] == "switched"}
+    crash = summary["interruptions"][1]["generation"]
+    switched = {e["rank"]: e["role"] for e in events
+                if e["event"] == "switched" and e["generation"] == crash}
     assert switched == {0: "survivor", 1: "survivor", 2: "joiner", 3: "survivor"}
     (sizes,) = result.lines_starting("PEER_COPY_MB")
     assert all(float(size) > 0 for size in sizes.split()[1].split(","))
@@ -72,17 +82,6 @@ def test_without_a_peer_copy_every_rank_rolls_back_to_the_checkpoint(tmp_path, r
     assert all("peer_copy is off" in e["reason"] for e in rolled.values())
     (interruption,) = summary["interruptions"]
     assert interruption["rolled_back_to"] == 4 and summary["restarts"] == 0
-
-
-def test_a_migrated_rank_hands_over_its_own_shard(tmp_path, reference):
-    result, summary, events = resilient_run(tmp_path, {"peer_copy": True},
-                                            "--inject-migration", "3:3")
-    assert digest(result) == digest(reference)
-    (interruption,) = summary["interruptions"]
-    assert interruption["kind"] == "migration" and summary["restarts"] == 0
-    assert [e["rank"] for e in events if e["event"] == "handed_over"] == [3]
-    (leaver,) = [e for e in events if e["event"] == "leaver_exit"]
-    assert leaver["rank"] == 3 and leaver["how"] == "exit code 0"
 
 
 def test_a_bad_resilience_block_stops_mover_launch_before_any_process(tmp_path):

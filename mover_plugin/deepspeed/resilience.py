@@ -55,11 +55,14 @@ from mover_plugin.deepspeed.engine_state import (
     shard_tensors,
     zero_optimizer,
 )
-from mover_plugin.errors import LaunchError
 from mover_plugin.layout import ParallelLayout
 from mover_plugin.progress import ProgressReporter
 from mover_plugin.runtime.control import ControlClient
-from mover_plugin.runtime.resilience import ResilienceRuntime, connect_to_controller
+from mover_plugin.runtime.resilience import (
+    ResilienceRuntime,
+    exit_now,
+    connect_to_controller,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -262,8 +265,11 @@ class DeepSpeedResilience(ResilienceRuntime):
         started = time.time()
         iteration = self._load()
         if iteration is None:
-            raise LaunchError(f"rank {self.rank}: cannot continue in place ({why}) and there "
-                              "is no checkpoint to roll back to")
+            # The launcher sees the exit at once and falls back to restarting the job.
+            logger.error("rank %d: cannot continue in place (%s) and there is no checkpoint "
+                         "to roll back to; exiting", self.rank, why)
+            self.finish()
+            exit_now(status=1)
         self._applied = iteration
         self._held_version = -1
         self.control.post("rolled_back", rank=self.rank, iteration=iteration, reason=why,

@@ -286,7 +286,7 @@ class ResilienceRuntime:
             logger.warning("rank %d: the process handing the rank over was lost (%s); exiting",
                            self.rank, str(error)[:120])
             self.finish()
-            _exit_now(status=1)
+            exit_now(status=1)
 
     def finish(self) -> None:
         """Training is over: the agent stops watching this process's heartbeats, and this
@@ -436,7 +436,7 @@ class ResilienceRuntime:
         self.finish()
         self._teardown_framework()
         dist.destroy_process_group()
-        _exit_now()
+        exit_now()
 
     # -- state transfer -------------------------------------------------------------------
 
@@ -465,9 +465,9 @@ class ResilienceRuntime:
         self._applied = state["iteration"]
 
 
-def _exit_now(status: int = 0) -> None:
+def exit_now(status: int = 0) -> None:
     """Ends a process whose rank lives on elsewhere (a leaver, or a joiner whose hand-over
-    failed). ``atexit`` callbacks run and output is flushed, but the interpreter's teardown is
+    failed) or that cannot go on. ``atexit`` callbacks run and output is flushed, but the interpreter's teardown is
     skipped: for a training process it takes seconds of CPU that the ranks still training on
     this host can use better."""
     atexit._run_exitfuncs()
