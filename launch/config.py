@@ -324,6 +324,9 @@ def _apply_deepspeed_block(args: argparse.Namespace) -> None:
     elif enabled and args.policy != "resilient":
         raise ConfigError(f"--policy {args.policy}: the DeepSpeed config {path} enables "
                           "\"resilience\"; drop --policy or set \"resilience.enabled\" to false")
+    elif path is not None and not enabled and args.policy == "resilient":
+        raise ConfigError(f"--policy resilient needs a \"resilience\" block in the DeepSpeed "
+                          f"config {path} (the workers run the resilience runtime only then)")
     if enabled and args.standbys is None:
         args.standbys = block.standbys
 

@@ -84,6 +84,8 @@ def test_mover_launch_takes_policy_and_standbys_from_the_block(tmp_path):
         parse_launch_args(["--num_gpus", "4", *script, broken], "py")
     plain = write_config(tmp_path)
     assert parse_launch_args([*script, plain], "py").policy == "restart"
+    with pytest.raises(ConfigError, match='--policy resilient needs a "resilience" block'):
+        parse_launch_args(["--policy", "resilient", *script, plain], "py")
 
 
 def record(applied, updating=False, held_of=-1, held_version=-1):
