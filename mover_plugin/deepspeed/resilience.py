@@ -20,8 +20,9 @@ Same controller, agent, generations and step protocol as the Megatron path
   the joiner included, rolls back to the last checkpoint the script saved (``load`` given to
   :meth:`DeepSpeedResilience.attach`) and trains on from there; the event log says which.
 - **Peer copy** (opt-in): after every step each rank sends its ZeRO shard (fp32 partition and
-  Adam moments) to the next rank of its data-parallel group, which keeps it. It costs one shard
-  of memory per rank (:attr:`DeepSpeedResilience.peer_copy_bytes`) and one exchange per step.
+  Adam moments), packed into one buffer, to the next rank of its data-parallel group, which
+  keeps it. It costs two shards of memory per rank (the copy and the packing buffer,
+  :attr:`DeepSpeedResilience.peer_copy_bytes`) and one exchange per step.
 - **Planned migration**: the leaver sends its parameters, its own shard and the copy it holds.
 
 Limitations: pipeline engines (``PipelineModule``) with ZeRO stage 0 or 1 and an Adam-family
@@ -108,7 +109,11 @@ class DeepSpeedResilience(ResilienceRuntime):
         self._engine: Any = None
         self._load: Load = lambda: None
         self._held: list[torch.Tensor] = []
-        """The shard copy this rank keeps for the previous rank of its data-parallel group."""
+        """The shard copy this rank keeps for the previous rank of its data-parallel group
+        (views into ``_held_flat``)."""
+        self._held_flat: Optional[torch.Tensor] = None
+        self._outgoing: Optional[torch.Tensor] = None
+        """This rank's shard packed into one buffer for the exchange."""
         self._held_of = -1
         self._held_version = -1
         """The iteration the held copy belongs to (-1: none, or being replaced)."""
@@ -191,8 +196,10 @@ class DeepSpeedResilience(ResilienceRuntime):
 
     @property
     def peer_copy_bytes(self) -> int:
-        """Memory this rank spends on the shard copy it keeps for a peer."""
-        return sum(t.numel() * t.element_size() for t in self._held)
+        """Memory this rank spends on the shard copy it keeps for a peer and on packing its own
+        shard for the exchange."""
+        return sum(t.numel() * t.element_size() for t in (self._held_flat, self._outgoing)
+                   if t is not None)
 
     # -- peer copy ------------------------------------------------------------------------
 
@@ -212,10 +219,14 @@ class DeepSpeedResilience(ResilienceRuntime):
         if following == self.rank:
             return  # no data-parallel peer
         mine = shard_tensors(self._engine)
-        held = self._held_buffers(mine)
+        self._held_buffers(mine)
+        # One message each way: a point-to-point operation costs far more than packing.
+        if self._outgoing is None:
+            self._outgoing = torch.empty_like(self._held_flat)
+        torch.cat([tensor.reshape(-1) for tensor in mine], out=self._outgoing)
         self._held_version = -1
-        operations = ([dist.P2POp(dist.isend, t, following, group=group) for t in mine]
-                      + [dist.P2POp(dist.irecv, t, previous, group=group) for t in held])
+        operations = [dist.P2POp(dist.isend, self._outgoing, following, group=group),
+                      dist.P2POp(dist.irecv, self._held_flat, previous, group=group)]
         for work in dist.batch_isend_irecv(operations):
             work.wait()
         self._held_of, self._held_version = previous, version
@@ -323,8 +334,16 @@ class DeepSpeedResilience(ResilienceRuntime):
         return self._module_tensors() + shard + self._held_buffers(shard)
 
     def _held_buffers(self, shard: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The held copy, shaped like ``shard``: views into one flat buffer."""
         if not self._held:
-            self._held = [torch.empty_like(tensor) for tensor in shard]
+            dtypes = {tensor.dtype for tensor in shard}
+            if len(dtypes) != 1:
+                raise TypeError(f"the optimizer shard mixes dtypes {sorted(map(str, dtypes))}; "
+                                "the peer copy packs it into one buffer of one dtype")
+            sizes = [tensor.numel() for tensor in shard]
+            self._held_flat = torch.empty(sum(sizes), dtype=dtypes.pop())
+            self._held = [piece.view_as(tensor) for piece, tensor in
+                          zip(self._held_flat.split(sizes), shard)]
         return self._held
 
     def _state_tensors_for(self, joiner: int) -> list[torch.Tensor]:
