@@ -43,7 +43,7 @@ def main() -> None:
     dataset = build_dataset(args)
     # None without a "resilience" block; a standby waits in here until it is promoted.
     resilience = start_resilience(args)
-    initialize_distributed(args, resilience)
+    initialize_distributed(resilience)
     if resilience is None:
         engine = build_engine(args)
     else:  # a promoted standby builds with its collectives kept local
@@ -60,9 +60,9 @@ def main() -> None:
 
 
 def quiet_known_warnings() -> None:
-    """DeepSpeed logs its configuration at INFO level on every rank."""
+    """Megatron-Core's dataset (the shared data pipeline) warns on every rank about its index
+    cache, which this script does not use."""
     logging.basicConfig(level=logging.WARNING)
-    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     logging.getLogger("megatron.core.datasets.gpt_dataset").setLevel(logging.ERROR)
 
 
@@ -84,7 +84,7 @@ def start_resilience(args: argparse.Namespace):
                                      pipeline_parallel_size=args.pipeline_parallel_size)
 
 
-def initialize_distributed(args: argparse.Namespace, resilience) -> None:
+def initialize_distributed(resilience) -> None:
     import deepspeed
 
     if resilience is not None:
