@@ -10,12 +10,15 @@ would). Then, from one common start signal:
 * full — every rank destroys all its groups and builds the next generation from scratch
   (``init_process_group`` and ``initialize_model_parallel``), as the runtime did before the
   delta;
-* delta — the new process builds its groups, and every other rank rebuilds only its groups
-  that contain the replaced rank (:mod:`mover_plugin.comm.delta`), keeping the rest.
+* delta — as the runtime does: the default group is covered by the model-parallel and
+  data-parallel groups (:mod:`mover_plugin.comm.world`), the new process builds its groups
+  (its default group without connections of its own), and every other rank rebuilds only its
+  groups that contain the replaced rank (:mod:`mover_plugin.comm.delta`), keeping the rest.
 
-Printed first: how many groups a staying process rebuilds. Then two costs as series over the
-world size, each full vs delta, with how it grows from 4 to 16 ranks (goal: the delta's growth
-<= 1.2x while the full rebuild grows):
+Printed first: how many groups a staying process rebuilds, and how many peer connections the
+busiest one opens for them (each gloo group connects every member to every other). Then two
+costs as series over the world size, each full vs delta, with how it grows from 4 to 16 ranks
+(goal: the delta's growth <= 1.2x while the full rebuild grows):
 
 * the CPU seconds the busiest staying process spends on the switch itself — what one rank
   pays when every rank has its own cores, as on a cluster (the goal is judged on this
@@ -50,6 +53,7 @@ import torch.distributed as dist
 
 from mover_plugin.comm import register_backend
 from mover_plugin.comm.delta import install_delta, member_groups, prepare_delta
+from mover_plugin.comm.world import WorldOptions, cover_world
 from mover_plugin.processes import parent_death_signal
 from mover_plugin.runtime.rewire import rewire_module_globals
 
@@ -66,12 +70,21 @@ def _connect(port: int) -> dist.TCPStore:
     return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=TIMEOUT)
 
 
-def _init_generation(store: dist.Store, generation: int, rank: int, world: int) -> None:
+def _init_generation(store: dist.Store, generation: int, rank: int, world: int,
+                     way: str) -> None:
+    """The groups of one generation; with the delta the default group is covered by the
+    model-parallel and data-parallel groups (as the runtime does), so a newcomer's needs no
+    connections of its own."""
     from megatron.core import parallel_state
 
+    covered = way == "delta"
     dist.init_process_group("mover", store=dist.PrefixStore(f"gen{generation}/", store),
-                            rank=rank, world_size=world, timeout=TIMEOUT)
+                            rank=rank, world_size=world, timeout=TIMEOUT,
+                            pg_options=WorldOptions(connect=generation == 0 or not covered))
     parallel_state.initialize_model_parallel(1, PIPELINE, create_gloo_process_groups=False)
+    if covered:
+        cover_world([parallel_state.get_model_parallel_group(),
+                             parallel_state.get_data_parallel_group()])
 
 
 def _first_collectives(value: float) -> list[float]:
@@ -95,7 +108,7 @@ def _rank_main(rank: int, world: int, port: int, way: str, joiner: bool, results
     store = _connect(port)
     try:
         if not joiner:
-            _init_generation(store, 0, rank, world)
+            _init_generation(store, 0, rank, world, way)
             _first_collectives(1.0)
             store.set(f"warm/{rank}", "1")
             if rank == world - 1:
@@ -105,22 +118,22 @@ def _rank_main(rank: int, world: int, port: int, way: str, joiner: bool, results
         go = float(store.get("go"))
         cpu = time.process_time()
         if joiner:
-            _init_generation(store, 1, rank, world)
-            rebuilt = len(member_groups())
+            _init_generation(store, 1, rank, world, way)
+            rebuilt = _sizes(member_groups())
         elif way == "full":
             from megatron.core import parallel_state
 
             parallel_state.destroy_model_parallel()
             dist.destroy_process_group()
-            _init_generation(store, 1, rank, world)
-            rebuilt = len(member_groups())
+            _init_generation(store, 1, rank, world, way)
+            rebuilt = _sizes(member_groups())
         else:
             from megatron.core import parallel_state
 
             delta = prepare_delta(dist.PrefixStore("gen1/", store), {world - 1},
                                   timeout=TIMEOUT)
             rewire_module_globals(parallel_state, install_delta(delta))
-            rebuilt = len(delta.replacements)
+            rebuilt = [new.size() for _, new in delta.replacements.values()]
         cpu = time.process_time() - cpu
         sums = _first_collectives(2.0 if joiner else 1.0)
         results.put((-1 if joiner else rank, (time.time() - go, cpu, rebuilt), sums))
@@ -128,11 +141,16 @@ def _rank_main(rank: int, world: int, port: int, way: str, joiner: bool, results
         results.put((rank, None, repr(error)))
 
 
-def measure(world: int, way: str) -> tuple[float, float, float, float]:
+def _sizes(groups: dict[str, Any]) -> list[int]:
+    return [len(info.global_ranks) for _, info in groups.values()]
+
+
+def measure(world: int, way: str) -> tuple[float, float, float, float, int]:
     """Seconds from the start signal until every rank has switched and run its first
     collectives in the new generation; the most CPU seconds a staying process spent on the
     switch itself; the CPU seconds the new process spent building its groups; the mean
-    number of groups a staying process rebuilt."""
+    number of groups a staying process rebuilt; the most peer connections a staying process
+    opened (a gloo group connects each member to every other: size - 1 each)."""
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                            timeout=TIMEOUT)
     results = _CONTEXT.Queue()
@@ -148,7 +166,7 @@ def measure(world: int, way: str) -> tuple[float, float, float, float]:
         master.wait([f"warm/{rank}" for rank in range(world)], TIMEOUT)
         time.sleep(0.5)  # the warm-up's last connections settle
         master.set("go", repr(time.time()))
-        elapsed, stayers, joiner, rebuilt = [], [], 0.0, []
+        elapsed, stayers, joiner, rebuilt, connections = [], [], 0.0, [], []
         for _ in range(world):
             rank, seconds, sums = results.get(timeout=TIMEOUT.total_seconds())
             if seconds is None:
@@ -159,8 +177,10 @@ def measure(world: int, way: str) -> tuple[float, float, float, float]:
                 joiner = seconds[1]
             else:
                 stayers.append(seconds[1])
-                rebuilt.append(seconds[2])
-        return max(elapsed), max(stayers), joiner, statistics.mean(rebuilt)
+                rebuilt.append(len(seconds[2]))
+                connections.append(sum(size - 1 for size in seconds[2]))
+        return (max(elapsed), max(stayers), joiner, statistics.mean(rebuilt),
+                max(connections))
     finally:
         for process in processes:
             if process.is_alive():
@@ -190,11 +210,13 @@ def main() -> None:
     stayers: dict[tuple[int, str], list[float]] = {}
     joiners: dict[tuple[int, str], list[float]] = {}
     groups: dict[tuple[int, str], list[float]] = {}
+    connections: dict[tuple[int, str], list[float]] = {}
     for _ in range(args.repeats):
         for world in args.world_sizes:
             for way in WAYS:  # interleaved
-                wall, stayer, joiner, rebuilt = measure(world, way)
+                wall, stayer, joiner, rebuilt, opened = measure(world, way)
                 groups.setdefault((world, way), []).append(rebuilt)
+                connections.setdefault((world, way), []).append(opened)
                 walls.setdefault((world, way), []).append(wall)
                 stayers.setdefault((world, way), []).append(stayer)
                 joiners.setdefault((world, way), []).append(joiner)
@@ -202,6 +224,9 @@ def main() -> None:
           f"(this machine: {os.cpu_count()} cores shared by all ranks)")
     _print_series("groups a staying process rebuilds (mean over the staying ranks)", groups,
                   args.world_sizes, goal=False)
+    _print_series("peer connections the busiest staying process opens (what grows with the "
+                  "world: the groups holding the replaced rank whose size grows with it)",
+                  connections, args.world_sizes, goal=False)
     _print_series("CPU seconds of the switch in the busiest staying process (what a rank pays "
                   "with cores of its own, as on a cluster)", stayers, args.world_sizes,
                   goal=True)

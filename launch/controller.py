@@ -496,7 +496,7 @@ class Controller:
         if event["generation"] != self._generation:
             return None
         self._switched[event["rank"]] = event["time"]
-        extra = {"adopted": event["adopted"]} if "adopted" in event else {}
+        extra = {key: event[key] for key in ("adopted", "rebuilt", "kept") if key in event}
         self.log.write("switched", "switch", generation=event["generation"],
                        rank=event["rank"], when=event["time"], role=event.get("role"), **extra)
         if len(self._switched) == self.config.world_size and self._interruption is not None:

@@ -19,7 +19,8 @@ An interruption moves through phases, each stamped with wall-clock time:
 ``phases_s`` are seconds after ``failed`` (``requested`` for a migration). ``downtime_s`` is
 the time training stood still: the gap between the last step completed
 before the failure and the first step completed after it, less one normal step time (the
-duration of that last step before the failure).
+duration of that last step before the failure). An interruption that costs less than the
+steps' jitter (a planned migration can) may come out slightly negative.
 """
 
 from __future__ import annotations

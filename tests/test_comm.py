@@ -199,6 +199,7 @@ def _collectives(rank: int, store: dist.Store, port: int) -> dict:
     checks: dict[str, Any] = {}
     world = dist.group.WORLD
     checks["world_type"] = type(world).__name__
+    checks["world_is_mover_group"] = isinstance(world, MoverProcessGroup)
 
     for op, expected in ((dist.ReduceOp.SUM, 10.0), (dist.ReduceOp.MAX, 4.0),
                          (dist.ReduceOp.MIN, 1.0)):
@@ -319,7 +320,7 @@ def test_collectives_and_p2p_on_default_and_sub_groups() -> None:
     for rank, checks in results.items():
         failed = [name for name, ok in checks.items() if ok is False]
         assert not failed, f"rank {rank}: {failed}"
-        assert checks["world_type"] == "MoverProcessGroup"
+        assert checks["world_type"] == "WorldGroup" and checks["world_is_mover_group"]
         assert checks["async_work_type"] == "AbortableWork"
         assert checks["sub_types"] == {"MoverProcessGroup"}
         assert checks["ranks"] == (rank % 2, 2, [2, 3][rank % 2], [[0, 2], [1, 3]][rank % 2],
@@ -451,7 +452,7 @@ def test_survivors_leave_a_hung_collective_and_rebuild_with_a_replacement() -> N
         assert report["destroy_s"] < 1.0
         assert report["retired_pending"] >= 1  # the abandoned op was still pending in gloo
         assert report["gen1_all_reduce"] == [10.0, 10.0]
-        assert report["gen1_world_type"] == "MoverProcessGroup"
+        assert report["gen1_world_type"] == "WorldGroup"
     assert results[0]["gen1_p2p"] == [7.0] * 3 and results[replacement]["gen1_p2p"] == [7.0] * 3
 
 
@@ -553,5 +554,6 @@ def test_megatron_parallel_state_groups_are_abortable() -> None:
         # With TP 1 and PP 2 of 4 ranks, Megatron's data-parallel groups are [0, 1] and [2, 3].
         assert report["dp_sum"] == float(4 * (rank // 2) + 1)
         # Megatron's explicit gloo groups (checkpointing helpers) stay plain gloo.
-        assert {kind for kind, _ in report["kinds"]} <= {"MoverProcessGroup", "ProcessGroup"}
+        kinds = {kind for kind, _ in report["kinds"]}
+        assert kinds <= {"WorldGroup", "MoverProcessGroup", "ProcessGroup"}
         assert report["pp_from_prev"] and report["dp_refused"]

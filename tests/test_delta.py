@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from mover_plugin.comm import raise_alarm
+from mover_plugin.comm import raise_alarm, register_backend
 from mover_plugin.comm.delta import (
     GroupInfo,
     agree_on_idle_groups,
@@ -23,6 +23,7 @@ from mover_plugin.comm.delta import (
     prepare_delta,
     replaced_group_names,
 )
+from mover_plugin.comm.world import CoverError, WorldOptions, check_cover, cover_world
 from rank_jobs import (  # noqa: F401 - the fixture is used by name
     GROUP_TIMEOUT,
     init_mover_group,
@@ -51,6 +52,22 @@ def test_only_groups_with_a_changed_rank_the_default_group_and_unsettled_ones_ar
     assert replaced_group_names(groups, {3}, unsettled={"1"}) == ["0", "1", "2", "4"]
     assert replaced_group_names(groups, set()) == []
     assert replaced_group_names(groups, set(), unsettled={"3"}) == ["3"]
+    covered = [GroupInfo("0", (0, 1, 2, 3), True, covered=True), *groups[1:],
+               GroupInfo("5", (0, 1, 2, 3), False, covered=True)]
+    assert replaced_group_names(covered, {3}) == ["2", "4"]
+
+
+def test_a_cover_must_be_a_grid_over_the_world():
+    check_cover(1, 4, [(0, 1), (1, 3)])
+    check_cover(5, 8, [(4, 5), (1, 5), (5, 7)])
+    with pytest.raises(CoverError, match="does not hold this rank"):
+        check_cover(1, 4, [(0, 1), (0, 2)])
+    with pytest.raises(CoverError, match=r"meet in \[0, 1\]"):
+        check_cover(1, 4, [(0, 1), (0, 1, 3)])
+    with pytest.raises(CoverError, match="multiply to 2, not to the world size 4"):
+        check_cover(1, 4, [(0, 1)])
+    with pytest.raises(CoverError, match="at least one group"):
+        check_cover(0, 1, [])
 
 
 # --------------------------------------------------------------------------- processes
@@ -128,14 +145,14 @@ def _stayer(rank: int, store: dist.Store, port: int) -> dict[str, Any]:
     return checks
 
 
-def _replace_rank(stayer) -> dict[int, dict[str, Any]]:
-    """Runs ``stayer`` on the 4 ranks and, once they are warm, the joiner for rank 3; returns
+def _replace_rank(stayer, joiner=_joiner) -> dict[int, dict[str, Any]]:
+    """Runs ``stayer`` on the 4 ranks and, once they are warm, ``joiner`` for rank 3; returns
     each process's checks (keyed by rank, the joiner by 100), failing on any failed check."""
     with rank_job() as job:
         for rank in range(WORLD_SIZE):
             job.start(rank, stayer)
         job.wait_keys([f"gen0/ready/{r}" for r in range(WORLD_SIZE)])
-        job.start(100, _joiner)
+        job.start(100, joiner)
         results = job.collect([0, 1, 2, LEAVING, 100])
     for key, checks in results.items():
         failed = [name for name, ok in checks.items() if ok is False]
@@ -183,3 +200,83 @@ def test_after_an_alarm_a_group_left_mid_operation_is_rebuilt_and_idle_ones_are_
     assert results[0]["unsettled"] == [(0, 1)] and results[1]["unsettled"] == [(0, 1)]
     assert results[0]["kept"] == [(0, 2)] and results[2]["kept"] == [(0, 2)]
     assert results[1]["kept"] == []
+
+
+# --------------------------------------------------------------------------- covered default group
+
+
+def _cover_world(rank: int, groups: dict[tuple[int, ...], Any]) -> None:
+    """Each rank's data-parallel group, then its pipeline group (the same kinds, in the same
+    order, on every rank)."""
+    assert cover_world([group for ranks, group in groups.items() if rank in ranks]) == 1
+
+
+def _exercise_covered_world(rank: int, joiner: bool) -> dict[str, Any]:
+    """Every kind of operation on the covered default group, checked against its meaning."""
+    mine = _contribution(rank, joiner)
+    checks: dict[str, Any] = {}
+    value = torch.tensor([float(rank), -0.0])
+    dist.broadcast(value, src=2)
+    checks["broadcast"] = value.tolist() == [2.0, -0.0] and str(value[1].item()) == "-0.0"
+    top = torch.tensor([mine])
+    dist.all_reduce(top, op=dist.ReduceOp.MAX)
+    checks["max"] = top.item() == _contribution(LEAVING, True)
+    gathered: list[Any] = [None] * WORLD_SIZE
+    dist.all_gather_object(gathered, (rank, joiner))
+    checks["all_gather_object"] = gathered == [(r, r == LEAVING) for r in range(WORLD_SIZE)]
+    scattered = torch.zeros(2)
+    dist.reduce_scatter_tensor(scattered, torch.arange(8.0) * mine)
+    total = _expected_sum(tuple(range(WORLD_SIZE)))
+    checks["reduce_scatter"] = scattered.tolist() == [(2 * rank + i) * total for i in range(2)]
+    exchanged = torch.zeros(WORLD_SIZE, dtype=torch.int64)
+    dist.all_to_all_single(exchanged, torch.tensor([10 * rank + j for j in range(WORLD_SIZE)]))
+    checks["all_to_all"] = exchanged.tolist() == [10 * j + rank for j in range(WORLD_SIZE)]
+    if rank in (0, 1):  # over {0,2} and {1,3}, by global rank on the default group
+        dist.send(torch.tensor([mine]), dst=rank + 2)
+    else:
+        received = torch.zeros(1)
+        dist.recv(received, src=rank - 2)
+        checks["p2p"] = received.item() == _contribution(rank - 2, False)
+    dist.barrier()
+    return checks
+
+
+def _covered_joiner(rank: int, store: dist.Store, port: int) -> dict[str, Any]:
+    register_backend()
+    dist.init_process_group("mover", store=dist.PrefixStore("gen1/", store), rank=LEAVING,
+                            world_size=WORLD_SIZE, timeout=GROUP_TIMEOUT,
+                            pg_options=WorldOptions(connect=False))
+    groups = _build_groups()
+    _cover_world(LEAVING, groups)
+    checks = _exercise(LEAVING, groups, joiner=True)
+    checks.update(_exercise_covered_world(LEAVING, joiner=True))
+    dist.destroy_process_group()
+    return checks
+
+
+def _covered_stayer(rank: int, store: dist.Store, port: int) -> dict[str, Any]:
+    init_mover_group(store, "gen0/", rank, WORLD_SIZE)
+    groups = _build_groups()
+    _cover_world(rank, groups)
+    _exercise(rank, groups, joiner=False)
+    store.set(f"gen0/ready/{rank}", "1")
+    store.wait([f"gen0/ready/{r}" for r in range(WORLD_SIZE)], GROUP_TIMEOUT)
+    if rank == LEAVING:
+        return {}
+    world_before = dist.group.WORLD
+    delta = prepare_delta(dist.PrefixStore("gen1/", store), {LEAVING}, timeout=GROUP_TIMEOUT)
+    checks: dict[str, Any] = {"rebuilt": len(delta.replacements)}
+    replaced = install_delta(delta)
+    groups = {ranks: replaced.get(id(group), group) for ranks, group in groups.items()}
+    checks.update(_exercise(rank, groups, joiner=False))
+    checks.update(_exercise_covered_world(rank, joiner=False))
+    checks["world_kept"] = dist.group.WORLD is world_before
+    dist.destroy_process_group()
+    return checks
+
+
+def test_a_covered_default_group_is_kept_and_carries_every_operation_over_the_groups() -> None:
+    results = _replace_rank(_covered_stayer, _covered_joiner)
+    assert all(results[r]["world_kept"] is True for r in (0, 1, 2))
+    assert [results[r]["rebuilt"] for r in (0, 1, 2)] == [0, 1, 1]
+    assert results[100]["p2p"] is True and results[2]["p2p"] is True

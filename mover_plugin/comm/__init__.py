@@ -12,6 +12,8 @@ in the same process. This package provides:
 - :mod:`~mover_plugin.comm.work` — the work handles whose ``wait()`` can be abandoned;
 - :mod:`~mover_plugin.comm.retired` — keeps abandoned communicators alive until their pending
   operations end, so that destroying a generation never blocks.
+- :mod:`~mover_plugin.comm.world` — the default group carried by the job's other groups (a
+  *cover*), so that it never has to be rebuilt;
 - :mod:`~mover_plugin.comm.delta` — the next generation's groups, rebuilt only where they hold
   a replaced rank (delta communicators) and registered with c10d in the old ones' place;
 - :mod:`~mover_plugin.comm.sandbox` — the ``mover_sandbox`` backend, groups that talk to no

@@ -12,9 +12,12 @@ place under the same name: ``get_rank(group)``, ``get_global_rank``, point-to-po
 rank and the functional collectives' name registry all see the new group. Every other group,
 and its connections, is kept.
 
-The default group holds every rank, so every rank rebuilds it (connecting to every peer:
-groups connect eagerly, see :class:`~mover_plugin.comm.process_group.MoverProcessGroup`). In a
-planned migration all of this happens in phase 1, while training goes on.
+The default group holds every rank. Once it is covered by the job's other groups
+(:mod:`mover_plugin.comm.world`) it has no connections to rebuild: it is kept, and its cover is
+pointed at the replacements (so is any other covered group of the whole world). Otherwise
+every rank rebuilds it (connecting to every peer: groups connect eagerly, see
+:class:`~mover_plugin.comm.process_group.MoverProcessGroup`). In a planned migration all of
+this happens in phase 1, while training goes on.
 
 After a crash a kept group may have been left in the middle of an operation: the survivors
 were pulled out of whatever they waited in. Such a group is reused only if it is idle on every
@@ -46,6 +49,7 @@ from torch.distributed import PrefixStore, Store
 
 from mover_plugin.comm.errors import CommAborted
 from mover_plugin.comm.process_group import BACKEND_NAME, MoverProcessGroup
+from mover_plugin.comm.world import WorldGroup
 
 logger = logging.getLogger(__name__)
 
@@ -75,16 +79,23 @@ class GroupInfo:
     name: str
     global_ranks: tuple[int, ...]
     is_default: bool
+    covered: bool = False
+    """Carried by a cover (:mod:`mover_plugin.comm.world`): no connections to rebuild."""
 
 
 def replaced_group_names(groups: Sequence[GroupInfo], changed: Collection[int],
                          unsettled: Collection[str] = ()) -> list[str]:
-    """The names of the groups to rebuild: those holding a changed rank, the default group
-    whenever any rank changed, and the ``unsettled`` ones (not idle on every member)."""
+    """The names of the groups to rebuild: those holding a changed rank (the default group
+    holds them all), and the ``unsettled`` ones (not idle on every member); never a covered
+    group, which has no connections of its own."""
     changed = set(changed)
     unsettled = set(unsettled)
+
+    def holds_changed(group: GroupInfo) -> bool:
+        return bool(changed) and (group.is_default or bool(changed & set(group.global_ranks)))
+
     return [g.name for g in groups
-            if g.name in unsettled or (changed and (g.is_default or changed & set(g.global_ranks)))]
+            if not g.covered and (g.name in unsettled or holds_changed(g))]
 
 
 def member_groups() -> dict[str, tuple[Any, GroupInfo]]:
@@ -97,7 +108,7 @@ def member_groups() -> dict[str, tuple[Any, GroupInfo]]:
             continue
         ranks = world.pg_group_ranks.get(group, {})
         ordered = tuple(sorted(ranks, key=ranks.__getitem__))
-        groups[name] = (group, GroupInfo(name, ordered, group is default))
+        groups[name] = (group, GroupInfo(name, ordered, group is default, is_covered(group)))
     return groups
 
 
@@ -129,7 +140,8 @@ def prepare_delta(generation_store: Store, changed: Collection[int], *, timeout:
     check_c10d()
     started = time.perf_counter()
     groups = member_groups()
-    default_name = c10d._world.pg_names[c10d._get_default_group()]
+    default = c10d._get_default_group()
+    default_name = c10d._world.pg_names[default]
     names = set(replaced_group_names([info for _, info in groups.values()], changed, unsettled))
     delta = PreparedDelta(kept={name: group for name, (group, _) in groups.items()
                                 if name not in names})
@@ -142,7 +154,8 @@ def prepare_delta(generation_store: Store, changed: Collection[int], *, timeout:
     try:
         for name in sorted(names, key=_name_order):
             old, info = groups[name]
-            delta.replacements[name] = (old, MoverProcessGroup(
+            kind = WorldGroup if info.is_default else MoverProcessGroup
+            delta.replacements[name] = (old, kind(
                 rendezvous_store(generation_store, name, default_name),
                 info.global_ranks.index(rank) if not info.is_default else rank,
                 len(info.global_ranks), timeout, group_name=name,
@@ -177,7 +190,14 @@ def install_delta(delta: PreparedDelta) -> dict[int, Any]:
     for group in delta.kept.values():
         if isinstance(group, MoverProcessGroup):
             group.revive()
+        if is_covered(group):
+            group.replace_cover(replaced)
     return replaced
+
+
+def is_covered(group: Any) -> bool:
+    """Whether ``group`` is carried by a cover (never rebuilt in a delta)."""
+    return isinstance(group, WorldGroup) and group.covered
 
 
 def _register_in_place(world: Any, name: str, old: Any, new: MoverProcessGroup) -> None:

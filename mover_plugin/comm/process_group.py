@@ -107,6 +107,8 @@ class MoverProcessGroup(NamedProcessGroup):
             outside the job's, such as a hand-over between two processes, which must finish
             whatever happens to the others; a peer's death still ends its operations with an
             error).
+        connect: build the backends (``False``: a group whose operations another object
+            carries, see :class:`mover_plugin.comm.world.WorldGroup`).
     """
 
     backend_name = BACKEND_NAME
@@ -114,7 +116,7 @@ class MoverProcessGroup(NamedProcessGroup):
     def __init__(self, store: Store, rank: int, size: int, timeout: timedelta, *,
                  group_name: str = "", global_ranks: Sequence[int] = (),
                  use_cuda: Optional[bool] = None, nccl_options: Any = None,
-                 abortable: bool = True) -> None:
+                 abortable: bool = True, connect: bool = True) -> None:
         super().__init__(rank, size, group_name)
         self._label = group_name or "?"
         self._timeout = timeout
@@ -127,14 +129,15 @@ class MoverProcessGroup(NamedProcessGroup):
         self._lock = threading.Lock()
         self._inflight: list[Any] = []  # observers of backend works, see work.observe
         ranks = list(global_ranks) or list(range(size))
-        # Connected eagerly: a peer lost before a lazy connection would block the operation's
-        # issuing call (not abortable) until the group's timeout.
-        gloo = dist.ProcessGroupGloo(PrefixStore("gloo/", store), rank, size, timeout)
-        gloo.options.global_ranks_in_group = ranks
-        gloo.options.group_name = group_name
-        self._gloo: Optional[Any] = gloo
+        self._gloo: Optional[Any] = None
+        if connect:
+            # Connected eagerly: a peer lost before a lazy connection would block the
+            # operation's issuing call (not abortable) until the group's timeout.
+            self._gloo = dist.ProcessGroupGloo(PrefixStore("gloo/", store), rank, size, timeout)
+            self._gloo.options.global_ranks_in_group = ranks
+            self._gloo.options.group_name = group_name
         if use_cuda is None:
-            use_cuda = torch.cuda.is_available() and dist.is_nccl_available()
+            use_cuda = connect and torch.cuda.is_available() and dist.is_nccl_available()
         self._nccl: Optional[Any] = None
         if use_cuda:
             self._nccl = _make_nccl(PrefixStore("nccl/", store), rank, size, timeout, ranks,
@@ -298,6 +301,9 @@ class MoverProcessGroup(NamedProcessGroup):
         if backend is None:
             if self._closed:
                 self.check_usable(op)
+            if self._gloo is None and self._nccl is None:
+                raise ValueError(f"{op}: group {self._name()!r} was created without "
+                                 "connections of its own (a default group to be covered)")
             raise ValueError(f"{op}: group {self._name()!r} has no communicator for "
                              f"{device} tensors (no CUDA/NCCL when it was created)")
         return backend

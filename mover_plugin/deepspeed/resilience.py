@@ -7,7 +7,10 @@ Same controller, agent, generations and step protocol as the Megatron path
   DeepSpeed makes afterwards (``PipelineModule``'s grid, the engine's, ZeRO's) is one too. After
   a switch the references DeepSpeed caches are rewritten: the engine (and through it the module,
   its grid and the ZeRO optimizer) and the module globals of ``deepspeed.utils.groups`` and
-  ``deepspeed.runtime.pipe.p2p``. Pipeline point-to-point goes over WORLD by global rank.
+  ``deepspeed.runtime.pipe.p2p``. Once the engine is built, WORLD is covered by the grid's
+  model-parallel and data-parallel groups (:mod:`mover_plugin.comm.world`), so pipeline
+  point-to-point, which DeepSpeed sends on WORLD by global rank, travels over the pipeline
+  group.
 - **The commit rule.** The WORLD all-reduce runs right before the optimizer changes anything:
   ZeRO's per-group update (after its gradient norm), or the optimizer's ``step`` without ZeRO.
 - **After a crash** every rank posts its record: iterations completed, whether its interrupted
@@ -45,6 +48,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from mover_plugin.comm.world import cover_world
 from mover_plugin.deepspeed.config import DeepSpeedResilience as ResilienceBlock
 from mover_plugin.deepspeed.engine_state import (
     counters,
@@ -56,6 +60,7 @@ from mover_plugin.deepspeed.engine_state import (
     shard_tensors,
     zero_optimizer,
 )
+from mover_plugin.errors import LaunchError
 from mover_plugin.layout import ParallelLayout
 from mover_plugin.progress import ProgressReporter
 from mover_plugin.runtime.control import ControlClient
@@ -156,11 +161,19 @@ class DeepSpeedResilience(ResilienceRuntime):
         standby builds with its collectives kept local (their results are replaced by the
         state it receives, or by the checkpoint)."""
         if self.joiner_of is None:
-            return build()
-        from mover_plugin.patches import apply_patches
+            engine = build()
+        else:
+            from mover_plugin.patches import apply_patches
 
-        with apply_patches("local-collectives"), apply_patches("deepspeed-local-collectives"):
-            return build()
+            with apply_patches("local-collectives"), apply_patches("deepspeed-local-collectives"):
+                engine = build()
+        grid = getattr(engine, "grid", None)
+        if grid is None:
+            raise LaunchError(f"the resilience runtime needs a pipeline engine (a "
+                              f"PipelineModule given to deepspeed.initialize); got "
+                              f"{type(engine).__name__}")
+        cover_world([grid.get_model_parallel_group(), grid.get_data_parallel_group()])
+        return engine
 
     def attach(self, engine: Any, *, load: Load) -> None:
         """Registers the engine, gates its optimizer update and counts its completed

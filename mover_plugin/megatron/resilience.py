@@ -48,6 +48,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from mover_plugin.comm.world import cover_world
 from mover_plugin.errors import LaunchError
 from mover_plugin.megatron.checkpoint import capture_rng_state, restore_rng_state
 from mover_plugin.megatron.standby import (
@@ -119,6 +120,8 @@ class MegatronResilience(ResilienceRuntime):
                               "create_gloo_process_groups=False): plain gloo groups can be "
                               "neither left nor replaced")
         parallel_state.initialize_model_parallel(**self._parallel_kwargs)
+        cover_world([parallel_state.get_model_parallel_group(),
+                             parallel_state.get_data_parallel_group(with_context_parallel=True)])
 
     def build_model(self, build: Callable[[], TrainingObjects]) -> TrainingObjects:
         """This rank's (model, optimizer, scheduler), from ``build()`` after

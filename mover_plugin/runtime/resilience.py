@@ -9,7 +9,9 @@ continue after a crash. Everything else is here:
 - **Standby and promotion.** A standby blocks in :meth:`ResilienceRuntime._wait_for_promotion`
   until the controller gives it a global rank; it then takes that rank's place in the next
   generation (``init_process_group`` on the generation's store namespace, with the ``mover``
-  backend, whose groups the controller's alarm can abort).
+  backend, whose groups the controller's alarm can abort). The adapter covers the default
+  group with the framework's groups (:mod:`mover_plugin.comm.world`), so a joiner's default
+  group has no connections of its own and no rank ever rebuilds one.
 - **The step.** :meth:`ResilienceRuntime.run_step` runs one training iteration. When a peer is
   lost (a communication error, or the alarm aborting the collective this rank waits in), the
   survivor leaves the step, switches to the next generation — only the groups that contain the
@@ -59,6 +61,7 @@ from mover_plugin.comm.delta import (
     prepare_delta,
 )
 from mover_plugin.comm.work import waited_s
+from mover_plugin.comm.world import WorldOptions
 from mover_plugin.errors import LaunchError
 from mover_plugin.layout import ParallelLayout
 from mover_plugin.progress import ProgressReporter
@@ -210,9 +213,12 @@ class ResilienceRuntime:
         if self._watch is None:
             raise LaunchError("the resilience runtime needs the job to run under "
                               "'mover-launch' (no notice pipe from its agent)")
+        # The others' default group is covered by their other groups: a joiner's needs no
+        # connections of its own (mover_plugin.comm.world).
         dist.init_process_group(BACKEND_NAME, store=self.control.generation_store(self.generation),
                                 rank=self.rank, world_size=self.world_size,
-                                timeout=self._timeout())
+                                timeout=self._timeout(),
+                                pg_options=WorldOptions(connect=self.joiner_of is None))
         self._init_framework_groups()
         if self.rank == 0 and self.joiner_of is None:
             self.control.publish_layout(layout)
@@ -404,7 +410,8 @@ class ResilienceRuntime:
         cached references to the old ones were rewritten."""
         store = self.control.generation_store(self.generation)
         candidates = {name: entry for name, entry in member_groups().items()
-                      if not entry[1].is_default and not lost & set(entry[1].global_ranks)}
+                      if not (entry[1].is_default or entry[1].covered)
+                      and not lost & set(entry[1].global_ranks)}
         unsettled = agree_on_idle_groups(store, candidates, timeout=self._timeout())
         delta = prepare_delta(store, lost, timeout=self._timeout(), unsettled=unsettled)
         return self._install_groups(delta)
