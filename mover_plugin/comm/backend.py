@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from mover_plugin.comm import retired
 from mover_plugin.comm.process_group import BACKEND_NAME, MoverProcessGroup
-from mover_plugin.comm.world import WorldGroup, WorldOptions, is_world_shaped
+from mover_plugin.comm.world import WorldGroup, WorldOptions
 
 logger = logging.getLogger(__name__)
 
@@ -63,22 +63,14 @@ def _create_group(options: Any, backend_options: Any = None) -> MoverProcessGrou
     """c10d's creator hook: ``options`` is a ``_DistributedBackendOptions``, ``backend_options``
     the ``pg_options`` given to ``init_process_group`` or ``new_group`` (a
     :class:`~mover_plugin.comm.world.WorldOptions` for the default group; used for NCCL when
-    they are NCCL's). The default group (created while c10d has none), and any other group of
-    the whole world in rank order, is a :class:`~mover_plugin.comm.world.WorldGroup`."""
+    they are NCCL's). The default group (created while c10d has none) is a
+    :class:`~mover_plugin.comm.world.WorldGroup`."""
     retired.reap()  # a new generation is a good moment to release finished old ones
-    ranks = list(options.global_ranks_in_group)
     if not dist.is_initialized():
         connect = not isinstance(backend_options, WorldOptions) or backend_options.connect
         return WorldGroup(options.store, options.group_rank, options.group_size,
                           options.timeout, connect=connect, group_name=str(options.group_id),
-                          global_ranks=ranks)
-    default = dist.distributed_c10d._get_default_group()
-    if isinstance(default, WorldGroup) and is_world_shaped(ranks, default.size()):
-        # Another group of the whole world: covered like the default group, so it connects
-        # only where the default group did.
-        return WorldGroup(options.store, options.group_rank, options.group_size,
-                          options.timeout, connect=default.connected,
-                          group_name=str(options.group_id), global_ranks=ranks,
+                          global_ranks=list(options.global_ranks_in_group),
                           nccl_options=backend_options)
     return MoverProcessGroup(
         options.store,

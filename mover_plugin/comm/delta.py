@@ -14,7 +14,7 @@ and its connections, is kept.
 
 The default group holds every rank. Once it is covered by the job's other groups
 (:mod:`mover_plugin.comm.world`) it has no connections to rebuild: it is kept, and its cover is
-pointed at the replacements (so is any other covered group of the whole world). Otherwise
+pointed at the replacements. Otherwise
 every rank rebuilds it (connecting to every peer: groups connect eagerly, see
 :class:`~mover_plugin.comm.process_group.MoverProcessGroup`). In a planned migration all of
 this happens in phase 1, while training goes on.

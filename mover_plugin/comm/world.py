@@ -24,10 +24,10 @@ once. The groups of the cover are delta-replaced like any other, and
 default group itself is never rebuilt. The connections it was created with (its own mesh, used
 until a cover is set) are left idle; a newcomer creates its default group without them
 (``init_process_group(..., pg_options=WorldOptions(connect=False))``) and sets its cover before
-any operation on it. Any other group of the whole world in rank order (Megatron-Core makes one:
-its distributed-optimizer instance group) is a :class:`WorldGroup` too, connected only where
-the default group is, and covered with it by :func:`cover_world`. Every rank of a job must
-cover with groups of the same kinds at the same point of its program.
+any operation on it. Every rank of a job must cover with groups of the same kinds at the same
+point of its program. Other groups that hold every rank (Megatron-Core's distributed-optimizer
+instance group; its data-parallel group when nothing else is parallel) are ordinary groups,
+rebuilt like any other that holds a replaced rank; a cover may consist of one such group.
 """
 
 from __future__ import annotations
@@ -112,8 +112,6 @@ class WorldGroup(MoverProcessGroup):
     def __init__(self, store: Store, rank: int, size: int, timeout: timedelta, *,
                  connect: bool = True, **kwargs: Any) -> None:
         super().__init__(store, rank, size, timeout, connect=connect, **kwargs)
-        self.connected = connect
-        """Whether the group was created with connections of its own."""
         self._cover: tuple[MoverProcessGroup, ...] = ()
         self._routes: dict[int, tuple[MoverProcessGroup, int]] = {}
 
@@ -126,9 +124,10 @@ class WorldGroup(MoverProcessGroup):
         """From now on, carries this group's operations over ``groups`` (groups of size 1
         are left out); raises :class:`CoverError` if they do not cover the world as a grid."""
         groups = [g for g in groups if g.size() > 1]
-        foreign = [g for g in groups if not isinstance(g, MoverProcessGroup)]
+        foreign = [g for g in groups
+                   if not isinstance(g, MoverProcessGroup) or isinstance(g, WorldGroup)]
         if foreign:
-            raise CoverError(f"groups {foreign} do not use the mover backend")
+            raise CoverError(f"groups {foreign} are not ordinary groups of the mover backend")
         check_cover(self.rank(), self.size(), [group_members(g) for g in groups])
         self._cover = tuple(groups)
         self._routes.clear()
@@ -416,19 +415,11 @@ def _set_bytes(tensor: torch.Tensor, data: torch.Tensor) -> None:
     tensor.copy_(data.clone().view(tensor.dtype).reshape(tensor.shape))
 
 
-def is_world_shaped(global_ranks: Sequence[int], world_size: int) -> bool:
-    """Whether a group with these members (in group-rank order) is the whole world in rank
-    order, so that it can be carried by a cover like the default group (Megatron-Core makes one
-    such group besides the default: its distributed-optimizer instance group)."""
-    return list(global_ranks) == list(range(world_size))
-
-
-def cover_world(groups: Sequence[Any]) -> int:
-    """Covers c10d's default group and every other group of the whole world that is a
-    :class:`WorldGroup` with ``groups``; returns how many it covered."""
-    covered = 0
-    for group in list(c10d._world.pg_group_ranks):
-        if isinstance(group, WorldGroup) and group.usable:
-            group.cover(groups)
-            covered += 1
-    return covered
+def cover_world(groups: Sequence[Any]) -> bool:
+    """Covers c10d's default group with ``groups`` if it is a :class:`WorldGroup` (the
+    ``mover`` backend's); returns whether it did."""
+    default = c10d._get_default_group()
+    if not isinstance(default, WorldGroup):
+        return False
+    default.cover(groups)
+    return True
