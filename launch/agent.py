@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from mover_plugin.launch.config import FailureInjection, MigrationInjection, NodeSpec
 from mover_plugin.launch.mailbox import Mailbox
-from mover_plugin.processes import describe_exit, start_process, stop_processes
+from mover_plugin.processes import describe_exit, process_cpu_s, start_process, stop_processes
 from mover_plugin.runtime.notices import NOTICE_FD_ENV, encode_notice
 from mover_plugin.progress import (
     HEARTBEAT,
@@ -117,6 +117,26 @@ class Worker:
     hang_timeout_s: Optional[float] = None
     step_durations: list[float] = field(default_factory=list)
     peak_rss_mb: Optional[float] = None
+    cpu_marks: list[tuple[int, float]] = field(default_factory=list)
+    """(step, the process's CPU seconds) when its first and its latest step end were read."""
+
+    def mark_cpu(self, step: int) -> None:
+        """Notes the process's CPU time (all its threads) at the end of ``step``."""
+        seconds = process_cpu_s(self.process.pid)
+        if seconds is None:
+            return
+        if len(self.cpu_marks) == 2:
+            self.cpu_marks[1] = (step, seconds)
+        else:
+            self.cpu_marks.append((step, seconds))
+
+    def cpu_per_step_s(self) -> Optional[float]:
+        """CPU seconds per step between the first step end seen and the latest (the first
+        step, with its warm-up, excluded)."""
+        if len(self.cpu_marks) < 2 or self.cpu_marks[1][0] <= self.cpu_marks[0][0]:
+            return None
+        (first_step, first), (last_step, last) = self.cpu_marks
+        return (last - first) / (last_step - first_step)
 
     def progress_fields(self) -> dict[str, Any]:
         return {
@@ -129,6 +149,7 @@ class Worker:
             "median_step_s": statistics.median(self.step_durations) if self.step_durations
             else None,
             "peak_rss_mb": self.peak_rss_mb,
+            "cpu_per_step_s": self.cpu_per_step_s(),
         }
 
     def reap(self) -> bool:
@@ -370,6 +391,7 @@ class Agent:
             worker.last_step_end = event.time
             worker.last_step_duration = event.duration_s
             worker.step_durations.append(event.duration_s)
+            worker.mark_cpu(event.step)
             if not worker.first_step_reported:
                 worker.first_step_reported = True
                 self._post("first_step", rank=worker.rank, step=event.step, time=event.time,

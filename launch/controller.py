@@ -853,4 +853,6 @@ class Controller:
         steps = [w["median_step_s"] for w in workers if w["median_step_s"] is not None]
         self.summary.worker_peak_rss_mb = max(rss) if rss else None
         self.summary.median_step_time_s = statistics.median(steps) if steps else None
+        cpu = [w["cpu_per_step_s"] for w in workers if w.get("cpu_per_step_s") is not None]
+        self.summary.median_cpu_per_step_s = statistics.median(cpu) if cpu else None
         return 0

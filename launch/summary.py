@@ -107,6 +107,10 @@ class RunSummary:
     """The largest peak resident memory of any worker that completed the job."""
     median_step_time_s: Optional[float] = None
     """The median over ranks of each rank's median step time (last attempt)."""
+    median_cpu_per_step_s: Optional[float] = None
+    """The median over ranks of each rank's CPU seconds per step (all its threads, from its
+    first step end to its last; last attempt): unlike the step time, not stretched by waiting
+    for a core or for the other ranks."""
     interruptions: list[Interruption] = field(default_factory=list)
 
     @property

@@ -88,3 +88,18 @@ def describe_exit(returncode: int) -> str:
         except ValueError:
             return f"signal {-returncode}"
     return f"exit code {returncode}"
+
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def process_cpu_s(pid: int) -> Optional[float]:
+    """CPU seconds (user + system, all threads) the process ``pid`` has used so far, from
+    ``/proc`` (clock-tick resolution); ``None`` where that is not readable."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    # After the command name: state is field 3 of stat(5), utime and stime fields 14 and 15.
+    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS

@@ -6,6 +6,7 @@ Megatron.
 """
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -100,3 +101,33 @@ def test_missing_script_is_reported(tmp_path):
     result = run_command([*LAUNCH, "--standalone", str(tmp_path / "nope.py")], timeout_s=60)
     assert result.returncode == 2
     assert "does not exist" in result.stderr
+
+
+BUSY_CHILD = """
+import sys, time
+sys.stdin.readline()
+end = time.process_time() + 0.3
+while time.process_time() < end:
+    pass
+print("busy", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_workers_cpu_per_step_is_the_cpu_it_used_between_step_ends():
+    from mover_plugin.launch.agent import Worker
+
+    process = subprocess.Popen([sys.executable, "-c", BUSY_CHILD], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE)
+    try:
+        worker = Worker(rank=0, attempt=0, process=process, pipe=-1)
+        assert worker.cpu_per_step_s() is None
+        worker.mark_cpu(1)
+        process.stdin.write(b"go\n")
+        process.stdin.flush()
+        assert process.stdout.readline() == b"busy\n"
+        worker.mark_cpu(4)  # 0.3 s of CPU over three steps
+        assert 0.09 <= worker.cpu_per_step_s() <= 0.15
+    finally:
+        process.kill()
+        process.wait()
