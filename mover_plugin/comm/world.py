@@ -75,9 +75,7 @@ def group_members(group: Any) -> tuple[int, ...]:
 def check_cover(rank: int, world_size: int, members: Sequence[Sequence[int]]) -> None:
     """Raises :class:`CoverError` unless groups with these members (as seen from ``rank``)
     form a grid over the world: each holds ``rank``, any two meet only in it, and their sizes
-    multiply to the world size."""
-    if not members:
-        raise CoverError("a cover needs at least one group")
+    multiply to the world size (a world of one rank needs none)."""
     for ranks in members:
         if rank not in ranks:
             raise CoverError(f"group {list(ranks)} does not hold this rank ({rank})")
