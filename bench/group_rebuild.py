@@ -84,7 +84,7 @@ def _init_generation(store: dist.Store, generation: int, rank: int, world: int,
     parallel_state.initialize_model_parallel(1, PIPELINE, create_gloo_process_groups=False)
     if covered:
         cover_world([parallel_state.get_model_parallel_group(),
-                             parallel_state.get_data_parallel_group()])
+                     parallel_state.get_data_parallel_group()])
 
 
 def _first_collectives(value: float) -> list[float]:

@@ -117,26 +117,24 @@ class Worker:
     hang_timeout_s: Optional[float] = None
     step_durations: list[float] = field(default_factory=list)
     peak_rss_mb: Optional[float] = None
-    cpu_marks: list[tuple[int, float]] = field(default_factory=list)
-    """(step, the process's CPU seconds) when its first and its latest step end were read."""
+    first_cpu: Optional[tuple[int, float]] = None
+    """(step, the process's CPU seconds) when its first step end was read."""
+    last_cpu: Optional[tuple[int, float]] = None
+    """The same when its latest step end was read."""
 
     def mark_cpu(self, step: int) -> None:
         """Notes the process's CPU time (all its threads) at the end of ``step``."""
         seconds = process_cpu_s(self.process.pid)
-        if seconds is None:
-            return
-        if len(self.cpu_marks) == 2:
-            self.cpu_marks[1] = (step, seconds)
-        else:
-            self.cpu_marks.append((step, seconds))
+        if seconds is not None:
+            self.last_cpu = (step, seconds)
+            self.first_cpu = self.first_cpu or self.last_cpu
 
     def cpu_per_step_s(self) -> Optional[float]:
         """CPU seconds per step between the first step end seen and the latest (the first
         step, with its warm-up, excluded)."""
-        if len(self.cpu_marks) < 2 or self.cpu_marks[1][0] <= self.cpu_marks[0][0]:
+        if self.first_cpu is None or self.last_cpu is None or self.last_cpu[0] <= self.first_cpu[0]:
             return None
-        (first_step, first), (last_step, last) = self.cpu_marks
-        return (last - first) / (last_step - first_step)
+        return (self.last_cpu[1] - self.first_cpu[1]) / (self.last_cpu[0] - self.first_cpu[0])
 
     def progress_fields(self) -> dict[str, Any]:
         return {

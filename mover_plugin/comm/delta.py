@@ -14,10 +14,9 @@ and its connections, is kept.
 
 The default group holds every rank. Once it is covered by the job's other groups
 (:mod:`mover_plugin.comm.world`) it has no connections to rebuild: it is kept, and its cover is
-pointed at the replacements. Otherwise
-every rank rebuilds it (connecting to every peer: groups connect eagerly, see
-:class:`~mover_plugin.comm.process_group.MoverProcessGroup`). In a planned migration all of
-this happens in phase 1, while training goes on.
+pointed at the replacements. Otherwise every rank rebuilds it (connecting to every peer: groups
+connect eagerly, see :class:`~mover_plugin.comm.process_group.MoverProcessGroup`). In a planned
+migration all of this happens in phase 1, while training goes on.
 
 After a crash a kept group may have been left in the middle of an operation: the survivors
 were pulled out of whatever they waited in. Such a group is reused only if it is idle on every
@@ -49,7 +48,7 @@ from torch.distributed import PrefixStore, Store
 
 from mover_plugin.comm.errors import CommAborted
 from mover_plugin.comm.process_group import BACKEND_NAME, MoverProcessGroup
-from mover_plugin.comm.world import WorldGroup
+from mover_plugin.comm.world import WorldGroup, group_members
 
 logger = logging.getLogger(__name__)
 
@@ -106,9 +105,8 @@ def member_groups() -> dict[str, tuple[Any, GroupInfo]]:
     for group, name in world.pg_names.items():
         if group is None or group == dist.GroupMember.NON_GROUP_MEMBER:
             continue
-        ranks = world.pg_group_ranks.get(group, {})
-        ordered = tuple(sorted(ranks, key=ranks.__getitem__))
-        groups[name] = (group, GroupInfo(name, ordered, group is default, is_covered(group)))
+        groups[name] = (group, GroupInfo(name, group_members(group), group is default,
+                                         is_covered(group)))
     return groups
 
 
@@ -140,8 +138,7 @@ def prepare_delta(generation_store: Store, changed: Collection[int], *, timeout:
     check_c10d()
     started = time.perf_counter()
     groups = member_groups()
-    default = c10d._get_default_group()
-    default_name = c10d._world.pg_names[default]
+    default_name = c10d._world.pg_names[c10d._get_default_group()]
     names = set(replaced_group_names([info for _, info in groups.values()], changed, unsettled))
     delta = PreparedDelta(kept={name: group for name, (group, _) in groups.items()
                                 if name not in names})

@@ -68,7 +68,7 @@ class WorldOptions:
 
 def group_members(group: Any) -> tuple[int, ...]:
     """The global ranks of a c10d group, in group-rank order."""
-    ranks = c10d._world.pg_group_ranks[group]
+    ranks = c10d._world.pg_group_ranks.get(group, {})
     return tuple(sorted(ranks, key=ranks.__getitem__))
 
 
@@ -149,19 +149,16 @@ class WorldGroup(MoverProcessGroup):
         for group in self._cover:
             group.allreduce([tensor], options).wait()
 
-    def _merge_bytes(self, op: str, buffer: torch.Tensor) -> None:
-        """Sums a byte buffer over the world: each byte must have one non-zero contributor."""
-        self._reduce_over_cover(op, buffer, ReduceOp.SUM)
-
     def _exchange(self, op: str, parts: Sequence[Optional[torch.Tensor]],
                   slot_bytes: int, device: torch.device) -> list[torch.Tensor]:
         """Every rank's ``parts`` placed into ``len(parts)`` byte slots of ``slot_bytes`` and
-        merged over the world; returns the merged slots (``None`` parts stay zero)."""
+        merged over the world by a sum (each byte has one non-zero contributor); returns the
+        merged slots (``None`` parts stay zero)."""
         buffer = torch.zeros(len(parts) * slot_bytes, dtype=torch.uint8, device=device)
         for index, part in enumerate(parts):
             if part is not None:
                 buffer[index * slot_bytes:(index + 1) * slot_bytes] = _bytes_of(part)
-        self._merge_bytes(op, buffer)
+        self._reduce_over_cover(op, buffer, ReduceOp.SUM)
         return list(buffer.split(slot_bytes))
 
     @_unless_uncovered

@@ -121,7 +121,7 @@ class MegatronResilience(ResilienceRuntime):
                               "neither left nor replaced")
         parallel_state.initialize_model_parallel(**self._parallel_kwargs)
         cover_world([parallel_state.get_model_parallel_group(),
-                             parallel_state.get_data_parallel_group(with_context_parallel=True)])
+                     parallel_state.get_data_parallel_group(with_context_parallel=True)])
 
     def build_model(self, build: Callable[[], TrainingObjects]) -> TrainingObjects:
         """This rank's (model, optimizer, scheduler), from ``build()`` after

@@ -410,8 +410,7 @@ class ResilienceRuntime:
         cached references to the old ones were rewritten."""
         store = self.control.generation_store(self.generation)
         candidates = {name: entry for name, entry in member_groups().items()
-                      if not (entry[1].is_default or entry[1].covered)
-                      and not lost & set(entry[1].global_ranks)}
+                      if not entry[1].is_default and not lost & set(entry[1].global_ranks)}
         unsettled = agree_on_idle_groups(store, candidates, timeout=self._timeout())
         delta = prepare_delta(store, lost, timeout=self._timeout(), unsettled=unsettled)
         return self._install_groups(delta)
