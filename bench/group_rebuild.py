@@ -8,26 +8,30 @@ of the last rank exits and a pre-started process takes its global rank (as a pro
 would). Then, from one common start signal:
 
 * full — every rank destroys all its groups and builds the next generation from scratch
-  (``init_process_group`` and ``initialize_model_parallel``), as the runtime did before the
-  delta;
+  (``init_process_group`` and ``initialize_model_parallel``) with c10d's gloo connections
+  (every member of a group connected to every other at creation), as the runtime did before
+  the delta;
+* delta-mesh — the delta below, but with those full-mesh connections;
 * delta — as the runtime does: the default group is covered by the model-parallel and
   data-parallel groups (:mod:`mover_plugin.comm.world`), the new process builds its groups
-  (its default group without connections of its own), and every other rank rebuilds only its
-  groups that contain the replaced rank (:mod:`mover_plugin.comm.delta`), keeping the rest.
+  (its default group without connections of its own), every other rank rebuilds only its
+  groups that contain the replaced rank (:mod:`mover_plugin.comm.delta`), keeping the rest,
+  and a group's members connect to their ring neighbours at creation and to other peers on
+  first use (:class:`~mover_plugin.comm.process_group.MoverProcessGroup`).
 
-Printed first: how many groups a staying process rebuilds, and how many peer connections the
-busiest one opens for them (each gloo group connects every member to every other). Then two
-costs as series over the world size, each full vs delta, with how it grows from 4 to 16 ranks
-(goal: the delta's growth <= 1.2x while the full rebuild grows):
+Each staying process then runs a first all-reduce on the default group and on its
+data-parallel and pipeline groups (the sums check that the new process took part). Printed:
+how many groups a staying process rebuilds, and how many peer connections the busiest one
+opened during the switch and those first collectives (TCP connections counted in
+``/proc``). Then costs as series over the world size, with how each way grows from 4 to 16
+ranks (goal: the delta's growth <= 1.2x while the full rebuild grows):
 
-* the CPU seconds the busiest staying process spends on the switch itself — what one rank
-  pays when every rank has its own cores, as on a cluster (the goal is judged on this
-  series); and, apart, the new process's (it builds all its groups either way);
-* the wall seconds from the start signal until every rank has switched *and* run a first
-  all-reduce on the default group and on its data-parallel and pipeline groups (connections
-  made on first use counted; the sums check that the new process took part). Here all ranks
-  share this machine's cores, so this series grows with the number of processes whatever
-  each of them does.
+* the CPU seconds the busiest staying process spends on the switch and its first collectives
+  — what one rank pays when every rank has its own cores, as on a cluster (the goal is judged
+  on this series); and, apart, the new process's (it builds all its groups either way);
+* the wall seconds from the start signal until every rank has switched and run its first
+  collectives. Here all ranks share this machine's cores, so this series grows with the
+  number of processes whatever each of them does.
 
 Every number comes from this one run, the two ways interleaved.
 
@@ -53,14 +57,15 @@ import torch.distributed as dist
 
 from mover_plugin.comm import register_backend
 from mover_plugin.comm.delta import install_delta, member_groups, prepare_delta
+from mover_plugin.comm.process_group import MoverProcessGroup
 from mover_plugin.comm.world import WorldOptions, cover_world
-from mover_plugin.processes import parent_death_signal
+from mover_plugin.processes import established_connections, parent_death_signal
 from mover_plugin.runtime.rewire import rewire_module_globals
 
 WORLD_SIZES = (4, 8, 16)
 PIPELINE = 2
 TIMEOUT = timedelta(seconds=120)
-WAYS = ("full", "delta")
+WAYS = ("full", "delta-mesh", "delta")
 
 _CONTEXT = multiprocessing.get_context("forkserver")
 _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "megatron.core.parallel_state"])
@@ -77,7 +82,7 @@ def _init_generation(store: dist.Store, generation: int, rank: int, world: int,
     connections of its own."""
     from megatron.core import parallel_state
 
-    covered = way == "delta"
+    covered = way != "full"
     dist.init_process_group("mover", store=dist.PrefixStore(f"gen{generation}/", store),
                             rank=rank, world_size=world, timeout=TIMEOUT,
                             pg_options=WorldOptions(connect=generation == 0 or not covered))
@@ -105,6 +110,7 @@ def _rank_main(rank: int, world: int, port: int, way: str, joiner: bool, results
     warnings.filterwarnings("ignore")  # Megatron-Core's deprecation notices, once per rank
     torch.set_num_threads(1)
     register_backend()
+    MoverProcessGroup.full_mesh = way != "delta"
     store = _connect(port)
     try:
         if not joiner:
@@ -114,43 +120,49 @@ def _rank_main(rank: int, world: int, port: int, way: str, joiner: bool, results
             if rank == world - 1:
                 store.wait(["go"], TIMEOUT)  # the replaced process leaves
                 os._exit(0)
+        idle_rate = _idle_cpu_rate()
         store.wait(["go"], TIMEOUT)
         go = float(store.get("go"))
-        cpu = time.process_time()
+        before = established_connections()
+        started = time.perf_counter()
+        cpu, main_cpu = time.process_time(), time.thread_time()
         if joiner:
             _init_generation(store, 1, rank, world, way)
-            rebuilt = _sizes(member_groups())
+            rebuilt = len(member_groups())
         elif way == "full":
             from megatron.core import parallel_state
 
             parallel_state.destroy_model_parallel()
             dist.destroy_process_group()
             _init_generation(store, 1, rank, world, way)
-            rebuilt = _sizes(member_groups())
+            rebuilt = len(member_groups())
         else:
             from megatron.core import parallel_state
 
             delta = prepare_delta(dist.PrefixStore("gen1/", store), {world - 1},
                                   timeout=TIMEOUT)
             rewire_module_globals(parallel_state, install_delta(delta))
-            rebuilt = [new.size() for _, new in delta.replacements.values()]
-        cpu = time.process_time() - cpu
+            rebuilt = len(delta.replacements)
         sums = _first_collectives(2.0 if joiner else 1.0)
-        results.put((-1 if joiner else rank, (time.time() - go, cpu, rebuilt), sums))
+        cpu, main_cpu = time.process_time() - cpu, time.thread_time() - main_cpu
+        above_idle = cpu - idle_rate * (time.perf_counter() - started)
+        opened = len(established_connections() - before)
+        costs = (time.time() - go, cpu, above_idle, main_cpu, rebuilt, opened)
+        results.put((-1 if joiner else rank, costs, sums))
     except BaseException as error:  # reported to the parent, which fails the run
         results.put((rank, None, repr(error)))
 
 
-def _sizes(groups: dict[str, Any]) -> list[int]:
-    return [len(info.global_ranks) for _, info in groups.values()]
+def _idle_cpu_rate(seconds: float = 0.3) -> float:
+    """CPU seconds per second this process spends while its main thread sleeps: mostly gloo's
+    network loops (one per group), which wake up periodically whether or not data moves."""
+    cpu, wall = time.process_time(), time.perf_counter()
+    time.sleep(seconds)
+    return (time.process_time() - cpu) / (time.perf_counter() - wall)
 
 
-def measure(world: int, way: str) -> tuple[float, float, float, float, int]:
-    """Seconds from the start signal until every rank has switched and run its first
-    collectives in the new generation; the most CPU seconds a staying process spent on the
-    switch itself; the CPU seconds the new process spent building its groups; the mean
-    number of groups a staying process rebuilt; the most peer connections a staying process
-    opened (a gloo group connects each member to every other: size - 1 each)."""
+def measure(world: int, way: str) -> dict[str, float]:
+    """One replacement: the series printed by :func:`main`, keyed as in ``SERIES``."""
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                            timeout=TIMEOUT)
     results = _CONTEXT.Queue()
@@ -164,23 +176,23 @@ def measure(world: int, way: str) -> tuple[float, float, float, float, int]:
         for process in processes:
             process.start()
         master.wait([f"warm/{rank}" for rank in range(world)], TIMEOUT)
-        time.sleep(0.5)  # the warm-up's last connections settle
+        time.sleep(0.6)  # the warm-up's last connections settle; each rank gauges its idle CPU
         master.set("go", repr(time.time()))
-        elapsed, stayers, joiner, rebuilt, connections = [], [], 0.0, [], []
+        stayers: list[tuple[float, ...]] = []
         for _ in range(world):
-            rank, seconds, sums = results.get(timeout=TIMEOUT.total_seconds())
-            if seconds is None:
+            rank, costs, sums = results.get(timeout=TIMEOUT.total_seconds())
+            if costs is None:
                 raise SystemExit(f"world {world}, {way}: rank {rank} failed: {sums}")
             _check_sums(world, world - 1 if rank < 0 else rank, sums)
-            elapsed.append(seconds[0])
             if rank < 0:
-                joiner = seconds[1]
+                wall, joiner_cpu = costs[0], costs[1]
             else:
-                stayers.append(seconds[1])
-                rebuilt.append(len(seconds[2]))
-                connections.append(sum(size - 1 for size in seconds[2]))
-        return (max(elapsed), max(stayers), joiner, statistics.mean(rebuilt),
-                max(connections))
+                stayers.append(costs)
+        columns = list(zip(*stayers))
+        return {"groups": statistics.mean(columns[4]), "connections": max(columns[5]),
+                "cpu": max(columns[1]), "cpu_above_idle": max(columns[2]),
+                "main_thread_cpu": max(columns[3]), "joiner_cpu": joiner_cpu,
+                "wall": max(max(columns[0]), wall)}
     finally:
         for process in processes:
             if process.is_alive():
@@ -199,6 +211,26 @@ def _check_sums(world: int, rank: int, sums: list[float]) -> None:
         raise SystemExit(f"world {world}: rank {rank} summed {sums}, expected {expected}")
 
 
+SERIES = {
+    "groups": "groups a staying process rebuilds (mean over the staying ranks)",
+    "connections": "peer connections the busiest staying process opens in the switch and its "
+                   "first collectives",
+    "cpu": "CPU seconds of the switch and first collectives in the busiest staying process, "
+           "all its threads",
+    "cpu_above_idle": "the same less the process's idle CPU over the same wall time (what the "
+                      "switch costs a rank with cores of its own, as on a cluster: here the "
+                      "switch lasts longer as the processes multiply, and gloo's idle network "
+                      "loops, one per group, use CPU all the while)",
+    "main_thread_cpu": "the same, the main thread's CPU alone (group builds, the ring "
+                       "connections, rewiring, issuing and waiting)",
+    "joiner_cpu": "CPU seconds of the new process building its groups and running its first "
+                  "collectives",
+    "wall": "wall seconds until every rank ran its first collectives in the new generation "
+            "(all ranks contending for this machine's cores)",
+}
+GOAL_SERIES = "cpu_above_idle"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=2)
@@ -206,46 +238,27 @@ def main() -> None:
     args = parser.parse_args()
     if args.repeats < 1 or any(w < 2 * PIPELINE or w % PIPELINE for w in args.world_sizes):
         parser.error(f"--repeats must be >= 1 and world sizes even and >= {2 * PIPELINE}")
-    walls: dict[tuple[int, str], list[float]] = {}
-    stayers: dict[tuple[int, str], list[float]] = {}
-    joiners: dict[tuple[int, str], list[float]] = {}
-    groups: dict[tuple[int, str], list[float]] = {}
-    connections: dict[tuple[int, str], list[float]] = {}
+    samples: dict[str, dict[tuple[int, str], list[float]]] = {name: {} for name in SERIES}
     for _ in range(args.repeats):
         for world in args.world_sizes:
             for way in WAYS:  # interleaved
-                wall, stayer, joiner, rebuilt, opened = measure(world, way)
-                groups.setdefault((world, way), []).append(rebuilt)
-                connections.setdefault((world, way), []).append(opened)
-                walls.setdefault((world, way), []).append(wall)
-                stayers.setdefault((world, way), []).append(stayer)
-                joiners.setdefault((world, way), []).append(joiner)
+                for name, value in measure(world, way).items():
+                    samples[name].setdefault((world, way), []).append(value)
     print(f"replacing one rank, TP1 x PP{PIPELINE} x DP(N/2), median of {args.repeats} "
           f"(this machine: {os.cpu_count()} cores shared by all ranks)")
-    _print_series("groups a staying process rebuilds (mean over the staying ranks)", groups,
-                  args.world_sizes, goal=False)
-    _print_series("peer connections the busiest staying process opens (what grows with the "
-                  "world: the groups holding the replaced rank whose size grows with it)",
-                  connections, args.world_sizes, goal=False)
-    _print_series("CPU seconds of the switch in the busiest staying process (what a rank pays "
-                  "with cores of its own, as on a cluster)", stayers, args.world_sizes,
-                  goal=True)
-    _print_series("CPU seconds of the new process building its groups (the same code both "
-                  "ways: init_process_group + initialize_model_parallel)", joiners,
-                  args.world_sizes, goal=False)
-    _print_series("wall seconds until every rank ran its first collectives in the new "
-                  "generation (all ranks contending for this machine's cores)", walls,
-                  args.world_sizes, goal=False)
+    for name, title in SERIES.items():
+        _print_series(title, samples[name], args.world_sizes, goal=name == GOAL_SERIES)
 
 
 def _print_series(title: str, samples: dict[tuple[int, str], list[float]],
                   world_sizes: list[int], *, goal: bool) -> None:
     medians = {key: statistics.median(values) for key, values in samples.items()}
     print(f"\n{title}")
-    print(f"{'world':>6} {'full rebuild':>13} {'delta':>8} {'full/delta':>11}")
+    print(f"{'world':>6}" + "".join(f"{way:>12}" for way in WAYS) + f"{'full/delta':>12}")
     for world in world_sizes:
-        full, delta = medians[(world, "full")], medians[(world, "delta")]
-        print(f"{world:>6} {full:>13.3f} {delta:>8.3f} {full / delta:>10.1f}x")
+        row = [medians[(world, way)] for way in WAYS]
+        print(f"{world:>6}" + "".join(f"{value:>12.3f}" for value in row)
+              + f"{row[0] / row[-1]:>11.1f}x")
     first, last = world_sizes[0], world_sizes[-1]
     for way in WAYS:
         growth = medians[(last, way)] / medians[(first, way)]

@@ -103,3 +103,33 @@ def process_cpu_s(pid: int) -> Optional[float]:
         return None
     # After the command name: state is field 3 of stat(5), utime and stime fields 14 and 15.
     return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+
+
+def established_connections() -> set[int]:
+    """The socket inodes of this process's established TCP connections, from ``/proc`` (empty
+    where that is not readable): which peers a process holds connections to, e.g. to see what a
+    process group connected."""
+    mine = set()
+    try:
+        descriptors = os.listdir("/proc/self/fd")
+    except OSError:
+        return mine
+    for fd in descriptors:
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue  # closed meanwhile
+        if target.startswith("socket:["):
+            mine.add(int(target[len("socket:["):-1]))
+    established = set()
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        try:
+            with open(table) as lines:
+                rows = list(lines)[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if fields[3] == "01":  # TCP_ESTABLISHED
+                established.add(int(fields[9]))
+    return mine & established

@@ -29,7 +29,13 @@ from mover_plugin.comm import (
     retired,
 )
 from mover_plugin.errors import MoverError
-from rank_jobs import Job, init_mover_group, rank_job, stop_forkserver_after_module  # noqa: F401
+from rank_jobs import (  # noqa: F401
+    GROUP_TIMEOUT,
+    Job,
+    init_mover_group,
+    rank_job,
+    stop_forkserver_after_module,
+)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -328,6 +334,53 @@ def test_collectives_and_p2p_on_default_and_sub_groups() -> None:
         if rank in (0, 1):
             assert checks["local_sync_group"] == ("MoverProcessGroup", 2.0)
         assert checks["destroy_s"] < 1.0
+
+
+def _ring_connections(rank: int, store: dist.Store, port: int) -> dict:
+    """Five ranks build a group with ring connections, then one with the full mesh."""
+    from mover_plugin.processes import established_connections
+
+    size, opened = 5, {}
+    before = established_connections()
+    group = MoverProcessGroup(dist.PrefixStore("ring/", store), rank, size, GROUP_TIMEOUT)
+    opened["created"] = len(established_connections() - before)
+    received = torch.zeros(3)
+    works = [group.send([torch.full((3,), float(rank))], (rank + 1) % size),
+             group.recv([received], (rank - 1) % size)]
+    for work in works:
+        work.wait()
+    opened["after_neighbour_p2p"] = len(established_connections() - before)
+    tensor = torch.full((4,), float(rank + 1))
+    group.broadcast([tensor], 3).wait()
+    opened["after_broadcast"] = len(established_connections() - before)
+    summed = torch.ones(2)
+    group.allreduce([summed]).wait()
+    group.shutdown()
+    MoverProcessGroup.full_mesh = True
+    try:
+        before = established_connections()
+        mesh = MoverProcessGroup(dist.PrefixStore("mesh/", store), rank, size, GROUP_TIMEOUT)
+        opened["mesh_created"] = len(established_connections() - before)
+    finally:
+        MoverProcessGroup.full_mesh = False
+    mesh.shutdown()
+    return {"opened": opened, "received": received.tolist(), "broadcast": tensor.tolist(),
+            "summed": summed.tolist()}
+
+
+def test_a_group_connects_its_ring_at_creation_and_other_pairs_on_first_use() -> None:
+    with rank_job() as job:
+        for rank in range(5):
+            job.start(rank, _ring_connections)
+        results = job.collect(list(range(5)))
+    for rank, result in results.items():
+        opened = result["opened"]
+        # Group ranks rank - 1 and rank + 1; a neighbour's send needs nothing more.
+        assert opened["created"] == 2 and opened["after_neighbour_p2p"] == 2, (rank, opened)
+        assert opened["after_broadcast"] >= 2, (rank, opened)
+        assert opened["mesh_created"] == 4, (rank, opened)
+        assert result["received"] == [float((rank - 1) % 5)] * 3
+        assert result["broadcast"] == [4.0] * 4 and result["summed"] == [5.0, 5.0]
 
 
 def _survivor_or_hung(rank: int, store: dist.Store, port: int, hung_rank: int) -> dict:

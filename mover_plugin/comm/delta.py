@@ -14,9 +14,11 @@ and its connections, is kept.
 
 The default group holds every rank. Once it is covered by the job's other groups
 (:mod:`mover_plugin.comm.world`) it has no connections to rebuild: it is kept, and its cover is
-pointed at the replacements. Otherwise every rank rebuilds it (connecting to every peer: groups
-connect eagerly, see :class:`~mover_plugin.comm.process_group.MoverProcessGroup`). In a planned
-migration all of this happens in phase 1, while training goes on.
+pointed at the replacements. Otherwise every rank rebuilds it. A rebuilt group connects each
+member to its ring neighbours before it is installed and other pairs on first use (see
+:class:`~mover_plugin.comm.process_group.MoverProcessGroup`), so what a staying member pays does
+not grow with the group. In a planned migration all of this happens in phase 1, while training
+goes on.
 
 After a crash a kept group may have been left in the middle of an operation: the survivors
 were pulled out of whatever they waited in. Such a group is reused only if it is idle on every

@@ -85,6 +85,29 @@ def _make_nccl(store: Store, rank: int, size: int, timeout: timedelta,
     return dist.ProcessGroupNCCL(store, rank, size, options)
 
 
+def _make_gloo(store: Store, rank: int, size: int, timeout: timedelta, *,
+               full_mesh: bool) -> Any:
+    """A ``ProcessGroupGloo`` whose members are connected to their ring neighbours.
+
+    c10d's gloo group connects every member to every other at creation (``size - 1``
+    connections each), so rebuilding a group that holds a replaced rank costs every member
+    more as the group grows. Here a group of more than two ranks is created with pairs that
+    connect on first use, and a one-element all-reduce (gloo's ring) connects each member to
+    group ranks ``rank - 1`` and ``rank + 1`` before the constructor returns: the pairs that
+    ring all-reduce and all-gather and a pipeline's point-to-point traffic use. Pairs that
+    other operations need (broadcast and barrier trees, point-to-point beyond a neighbour)
+    connect inside the first such operation. ``full_mesh`` keeps c10d's way.
+    """
+    if full_mesh or size <= 2:
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = [dist.ProcessGroupGloo.create_default_device(lazy_init=True)]
+    gloo = dist.ProcessGroupGloo(store, rank, size, options)
+    gloo.allreduce([torch.zeros(1)]).wait()
+    return gloo
+
+
 class MoverProcessGroup(NamedProcessGroup):
     """A process group whose operations can be abandoned; see the module docstring.
 
@@ -109,9 +132,14 @@ class MoverProcessGroup(NamedProcessGroup):
             error).
         connect: build the backends (``False``: a group whose operations another object
             carries, see :class:`mover_plugin.comm.world.WorldGroup`).
+
+    A gloo backend connects each member to its ring neighbours at creation and other pairs on
+    first use (see :func:`_make_gloo`); set the class attribute :attr:`full_mesh` to connect
+    every pair at creation, as c10d's own gloo groups do.
     """
 
     backend_name = BACKEND_NAME
+    full_mesh: bool = False
 
     def __init__(self, store: Store, rank: int, size: int, timeout: timedelta, *,
                  group_name: str = "", global_ranks: Sequence[int] = (),
@@ -131,9 +159,8 @@ class MoverProcessGroup(NamedProcessGroup):
         ranks = list(global_ranks) or list(range(size))
         self._gloo: Optional[Any] = None
         if connect:
-            # Connected eagerly: a peer lost before a lazy connection would block the
-            # operation's issuing call (not abortable) until the group's timeout.
-            self._gloo = dist.ProcessGroupGloo(PrefixStore("gloo/", store), rank, size, timeout)
+            self._gloo = _make_gloo(PrefixStore("gloo/", store), rank, size, timeout,
+                                    full_mesh=self.full_mesh)
             self._gloo.options.global_ranks_in_group = ranks
             self._gloo.options.group_name = group_name
         if use_cuda is None:

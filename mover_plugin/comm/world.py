@@ -1,12 +1,12 @@
 """The default group (WORLD) carried by the job's other groups, so that replacing one rank
 never makes every rank reconnect.
 
-On gloo the default group is a full mesh: every rank holds a connection to every other, and a
-newcomer's WORLD can meet the others' only if every rank builds a new one — a cost that grows
-with the job at every switch. A framework's layout already connects every pair of ranks that
-trains together: Megatron's model-parallel groups times its data-parallel groups, DeepSpeed's
-pipeline groups times its data-parallel groups, cover the world as a grid (each group of one
-kind meets each group of the other in exactly one rank). Once a :class:`WorldGroup` is given
+On gloo the default group holds connections between its ranks, the replaced rank's among them,
+so a newcomer's WORLD can meet the others' only if every rank builds a new one — a cost paid by
+every rank of the job at every switch. A framework's layout already puts ranks that train
+together in common groups: Megatron's model-parallel groups times its data-parallel groups,
+DeepSpeed's pipeline groups times its data-parallel groups, cover the world as a grid (each
+group of one kind meets each group of the other in exactly one rank). Once a :class:`WorldGroup` is given
 such a *cover* (:meth:`WorldGroup.cover`), its operations run over the cover's groups:
 
 * an all-reduce is one all-reduce per cover group in turn (exact for every associative
@@ -21,8 +21,8 @@ These operations run to completion before the call returns (an ``async_op`` call
 that is already complete); each step waits on an abortable group, so an alarm still ends them at
 once. The groups of the cover are delta-replaced like any other, and
 :func:`mover_plugin.comm.delta.install_delta` points the cover at the replacements, so the
-default group itself is never rebuilt. The connections it was created with (its own mesh, used
-until a cover is set) are left idle; a newcomer creates its default group without them
+default group itself is never rebuilt. The connections it was created with (used until a cover
+is set) are left idle; a newcomer creates its default group without them
 (``init_process_group(..., pg_options=WorldOptions(connect=False))``) and sets its cover before
 any operation on it. Every rank of a job must cover with groups of the same kinds at the same
 point of its program. Other groups that hold every rank (Megatron-Core's distributed-optimizer
