@@ -11,13 +11,14 @@ would). Then, from one common start signal:
   (``init_process_group`` and ``initialize_model_parallel``) with c10d's gloo connections
   (every member of a group connected to every other at creation), as the runtime did before
   the delta;
-* delta-mesh — the delta below, but with those full-mesh connections;
+* delta-mesh — the delta below, but with c10d's gloo backends (one full mesh per group);
 * delta — as the runtime does: the default group is covered by the model-parallel and
   data-parallel groups (:mod:`mover_plugin.comm.world`), the new process builds its groups
   (its default group without connections of its own), every other rank rebuilds only its
   groups that contain the replaced rank (:mod:`mover_plugin.comm.delta`), keeping the rest,
-  and a group's members connect to their ring neighbours at creation and to other peers on
-  first use (:class:`~mover_plugin.comm.process_group.MoverProcessGroup`).
+  a group's members connect to their ring neighbours at creation and to other peers on first
+  use, and groups with the same members share one gloo backend
+  (:class:`~mover_plugin.comm.process_group.MoverProcessGroup`).
 
 Each staying process then runs a first all-reduce on the default group and on its
 data-parallel and pipeline groups (the sums check that the new process took part). Printed:
@@ -110,7 +111,7 @@ def _rank_main(rank: int, world: int, port: int, way: str, joiner: bool, results
     warnings.filterwarnings("ignore")  # Megatron-Core's deprecation notices, once per rank
     torch.set_num_threads(1)
     register_backend()
-    MoverProcessGroup.full_mesh = way != "delta"
+    MoverProcessGroup.c10d_gloo = way != "delta"
     store = _connect(port)
     try:
         if not joiner:
@@ -212,7 +213,8 @@ def _check_sums(world: int, rank: int, sums: list[float]) -> None:
 
 
 SERIES = {
-    "groups": "groups a staying process rebuilds (mean over the staying ranks)",
+    "groups": "groups a staying process rebuilds (mean over the staying ranks; with the delta, "
+              "groups with the same members share one backend)",
     "connections": "peer connections the busiest staying process opens in the switch and its "
                    "first collectives",
     "cpu": "CPU seconds of the switch and first collectives in the busiest staying process, "

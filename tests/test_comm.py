@@ -355,20 +355,29 @@ def _ring_connections(rank: int, store: dist.Store, port: int) -> dict:
     opened["after_broadcast"] = len(established_connections() - before)
     summed = torch.ones(2)
     group.allreduce([summed]).wait()
-    group.shutdown()
-    MoverProcessGroup.full_mesh = True
+    before = established_connections()
+    twin = MoverProcessGroup(dist.PrefixStore("twin/", store), rank, size, GROUP_TIMEOUT,
+                             group_name="twin", share_with=group)
+    opened["twin_created"] = len(established_connections() - before)
+    works = [twin.allreduce([torch.full((2,), 10.0)]), group.allreduce([summed])]
+    group.shutdown()  # the twin's operation, and later ones, go on over the shared backend
+    works[0].wait()
+    twin_summed = torch.full((2,), float(rank))
+    twin.allreduce([twin_summed]).wait()
+    twin.shutdown()
+    MoverProcessGroup.c10d_gloo = True
     try:
         before = established_connections()
         mesh = MoverProcessGroup(dist.PrefixStore("mesh/", store), rank, size, GROUP_TIMEOUT)
         opened["mesh_created"] = len(established_connections() - before)
     finally:
-        MoverProcessGroup.full_mesh = False
+        MoverProcessGroup.c10d_gloo = False
     mesh.shutdown()
     return {"opened": opened, "received": received.tolist(), "broadcast": tensor.tolist(),
-            "summed": summed.tolist()}
+            "summed": summed.tolist(), "twin_summed": twin_summed.tolist()}
 
 
-def test_a_group_connects_its_ring_at_creation_and_other_pairs_on_first_use() -> None:
+def test_a_group_connects_its_ring_at_creation_and_a_twin_shares_its_backend() -> None:
     with rank_job() as job:
         for rank in range(5):
             job.start(rank, _ring_connections)
@@ -378,9 +387,10 @@ def test_a_group_connects_its_ring_at_creation_and_other_pairs_on_first_use() ->
         # Group ranks rank - 1 and rank + 1; a neighbour's send needs nothing more.
         assert opened["created"] == 2 and opened["after_neighbour_p2p"] == 2, (rank, opened)
         assert opened["after_broadcast"] >= 2, (rank, opened)
-        assert opened["mesh_created"] == 4, (rank, opened)
+        assert opened["mesh_created"] == 4 and opened["twin_created"] == 0, (rank, opened)
         assert result["received"] == [float((rank - 1) % 5)] * 3
-        assert result["broadcast"] == [4.0] * 4 and result["summed"] == [5.0, 5.0]
+        assert result["broadcast"] == [4.0] * 4 and result["summed"] == [25.0, 25.0]
+        assert result["twin_summed"] == [10.0, 10.0]
 
 
 def _survivor_or_hung(rank: int, store: dist.Store, port: int, hung_rank: int) -> dict:

@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 from mover_plugin.comm import retired
 from mover_plugin.comm.process_group import BACKEND_NAME, MoverProcessGroup
@@ -72,12 +73,24 @@ def _create_group(options: Any, backend_options: Any = None) -> MoverProcessGrou
                           options.timeout, connect=connect, group_name=str(options.group_id),
                           global_ranks=list(options.global_ranks_in_group),
                           nccl_options=backend_options)
+    global_ranks = list(options.global_ranks_in_group)
     return MoverProcessGroup(
         options.store,
         options.group_rank,
         options.group_size,
         options.timeout,
         group_name=str(options.group_id),
-        global_ranks=list(options.global_ranks_in_group),
+        global_ranks=global_ranks,
         nccl_options=backend_options,
+        share_with=_group_with_members(global_ranks),
     )
+
+
+def _group_with_members(global_ranks: list[int]) -> Optional[MoverProcessGroup]:
+    """A registered ``mover`` group (not the default one) whose members are ``global_ranks`` in
+    this order: a new group with the same members shares its gloo backend."""
+    for group, ranks in c10d._world.pg_group_ranks.items():
+        if (isinstance(group, MoverProcessGroup) and not group.is_default_group
+                and sorted(ranks, key=ranks.__getitem__) == global_ranks):
+            return group
+    return None

@@ -150,16 +150,22 @@ def prepare_delta(generation_store: Store, changed: Collection[int], *, timeout:
         raise DeltaError(f"groups {foreign} do not use the {BACKEND_NAME!r} backend; only its "
                          "groups can be replaced (create every group with it, e.g. Megatron's "
                          "initialize_model_parallel(create_gloo_process_groups=False))")
+    by_members: dict[tuple[int, ...], MoverProcessGroup] = {}
     try:
         for name in sorted(names, key=_name_order):
             old, info = groups[name]
-            kind = WorldGroup if info.is_default else MoverProcessGroup
-            delta.replacements[name] = (old, kind(
-                rendezvous_store(generation_store, name, default_name),
-                info.global_ranks.index(rank) if not info.is_default else rank,
-                len(info.global_ranks), timeout, group_name=name,
-                global_ranks=list(info.global_ranks) if not info.is_default else (),
-            ))
+            store = rendezvous_store(generation_store, name, default_name)
+            if info.is_default:
+                new = WorldGroup(store, rank, len(info.global_ranks), timeout, group_name=name)
+            else:
+                # The first replacement with these members connects; the others share it,
+                # as a newcomer's groups do (the mover backend: in creation = name order).
+                members = tuple(info.global_ranks)
+                new = MoverProcessGroup(store, info.global_ranks.index(rank), len(members),
+                                        timeout, group_name=name, global_ranks=list(members),
+                                        share_with=by_members.get(members))
+                by_members.setdefault(members, new)
+            delta.replacements[name] = (old, new)
     except Exception as error:
         discard_delta(delta)
         raise DeltaError(f"could not build the next generation's groups: {error}") from error

@@ -108,6 +108,18 @@ def _make_gloo(store: Store, rank: int, size: int, timeout: timedelta, *,
     return gloo
 
 
+class _Link:
+    """What the groups sharing one gloo backend share: the operations issued on it (all
+    members issue them in the same order whichever group they go through), whether one failed,
+    and how many groups use it."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.inflight: list[Any] = []  # observers of backend works, see work.observe
+        self.failure: Optional[BaseException] = None
+        self.users = 1
+
+
 class MoverProcessGroup(NamedProcessGroup):
     """A process group whose operations can be abandoned; see the module docstring.
 
@@ -134,45 +146,57 @@ class MoverProcessGroup(NamedProcessGroup):
             carries, see :class:`mover_plugin.comm.world.WorldGroup`).
 
     A gloo backend connects each member to its ring neighbours at creation and other pairs on
-    first use (see :func:`_make_gloo`); set the class attribute :attr:`full_mesh` to connect
-    every pair at creation, as c10d's own gloo groups do.
+    first use (see :func:`_make_gloo`). Groups whose members are the same ranks in the same
+    order may share one gloo backend (``share_with``: a group to share with, if
+    :meth:`can_share_with` allows; the ``mover`` backend and the delta pass one): every
+    member issues their operations in one program order, so one backend carries them in that
+    order, and a group's replacement costs one backend per distinct set of members. Groups
+    with NCCL never share. Set the class attribute :attr:`c10d_gloo` to build every group's
+    gloo backend as c10d does: its own, connecting every pair at creation.
     """
 
     backend_name = BACKEND_NAME
-    full_mesh: bool = False
+    c10d_gloo: bool = False
 
     def __init__(self, store: Store, rank: int, size: int, timeout: timedelta, *,
                  group_name: str = "", global_ranks: Sequence[int] = (),
                  use_cuda: Optional[bool] = None, nccl_options: Any = None,
-                 abortable: bool = True, connect: bool = True) -> None:
+                 abortable: bool = True, connect: bool = True,
+                 share_with: Optional["MoverProcessGroup"] = None) -> None:
         super().__init__(rank, size, group_name)
         self._label = group_name or "?"
         self._timeout = timeout
         self._abortable = abortable
         self._epoch = alarm.current_epoch()
         self._abort_reason: Optional[str] = None
-        self._failure: Optional[BaseException] = None
         self._closed = False
         self._nccl_aborted = False
-        self._lock = threading.Lock()
-        self._inflight: list[Any] = []  # observers of backend works, see work.observe
-        ranks = list(global_ranks) or list(range(size))
-        self._gloo: Optional[Any] = None
-        if connect:
-            self._gloo = _make_gloo(PrefixStore("gloo/", store), rank, size, timeout,
-                                    full_mesh=self.full_mesh)
-            self._gloo.options.global_ranks_in_group = ranks
-            self._gloo.options.group_name = group_name
+        self._global_ranks = list(global_ranks) or list(range(size))
         if use_cuda is None:
             use_cuda = connect and torch.cuda.is_available() and dist.is_nccl_available()
+        self._gloo: Optional[Any] = None
         self._nccl: Optional[Any] = None
+        if (connect and share_with is not None and not use_cuda and not self.c10d_gloo
+                and share_with.can_share_with(self)):
+            self._link = share_with._link
+            with self._link.lock:
+                self._link.users += 1
+            self._gloo = share_with._gloo
+        else:
+            if connect:
+                self._gloo = _make_gloo(PrefixStore("gloo/", store), rank, size, timeout,
+                                        full_mesh=self.c10d_gloo)
+                self._gloo.options.global_ranks_in_group = self._global_ranks
+                self._gloo.options.group_name = group_name
+            self._link = _Link()
         if use_cuda:
-            self._nccl = _make_nccl(PrefixStore("nccl/", store), rank, size, timeout, ranks,
-                                    group_name, nccl_options)
+            self._nccl = _make_nccl(PrefixStore("nccl/", store), rank, size, timeout,
+                                    self._global_ranks, group_name, nccl_options)
         _ensure_alarm_listener()
         _live_groups.add(self)
-        logger.debug("group %s: rank %d of %d (global ranks %s), epoch %d, nccl=%s",
-                     self._label, rank, size, ranks, self._epoch, self._nccl is not None)
+        logger.debug("group %s: rank %d of %d (global ranks %s), epoch %d, nccl=%s, "
+                     "gloo shared by %d", self._label, rank, size, self._global_ranks,
+                     self._epoch, self._nccl is not None, self._link.users)
 
     # ------------------------------------------------------------------ state
 
@@ -182,6 +206,16 @@ class MoverProcessGroup(NamedProcessGroup):
 
     def _name(self) -> str:
         return self._group_name or self._label
+
+    def can_share_with(self, other: "MoverProcessGroup") -> bool:
+        """Whether ``other`` may use this group's gloo backend: same ranks in the same order,
+        gloo only, this group usable and connected, neither a default group."""
+        return (other._global_ranks == self._global_ranks and other.rank() == self.rank()
+                and self._gloo is not None and self._nccl is None and other._nccl is None
+                and self.usable and not self.is_default_group and not other.is_default_group
+                and self._abortable == other._abortable)
+
+    is_default_group = False
 
     @property
     def epoch(self) -> int:
@@ -195,21 +229,21 @@ class MoverProcessGroup(NamedProcessGroup):
 
     def pending_operations(self) -> int:
         """How many backend operations issued on this group have not completed."""
-        with self._lock:
-            return sum(1 for item in self._inflight if not item.done())
+        with self._link.lock:
+            return sum(1 for item in self._link.inflight if not item.done())
 
     @property
     def usable(self) -> bool:
         """Whether operations may run (and waits go on) here; :meth:`check_usable` says why not."""
         return (self._abort_reason is None and alarm.current_epoch() == self.epoch
-                and not self._closed and self._failure is None)
+                and not self._closed and self._link.failure is None)
 
     @property
     def idle(self) -> bool:
         """Whether every operation issued here has completed and none failed: the members
         of a group that is idle on all of them issued the same operations, so the group can
         go on being used after an alarm (see :meth:`revive`)."""
-        return (self._failure is None and not self._closed and not self._nccl_aborted
+        return (self._link.failure is None and not self._closed and not self._nccl_aborted
                 and self._abort_reason is None and self.pending_operations() == 0)
 
     def revive(self) -> None:
@@ -235,18 +269,18 @@ class MoverProcessGroup(NamedProcessGroup):
         if self._closed:
             raise CollectiveAborted(f"{op} on group {self._name()!r}: the group was shut down",
                                     reason="shut down", group=self._name())
-        if self._failure is not None:
+        if self._link.failure is not None:
             raise CollectiveAborted(
                 f"{op} on group {self._name()!r}: an earlier operation failed: "
-                f"{self._failure}", reason=str(self._failure), group=self._name(),
-            ) from self._failure
+                f"{self._link.failure}", reason=str(self._link.failure), group=self._name(),
+            ) from self._link.failure
 
     def note_failure(self, error: BaseException) -> None:
         """Latches a backend error: the group's peers are out of step, so later operations
         are refused."""
-        if isinstance(error, CommAborted) or self._failure is not None:
+        if isinstance(error, CommAborted) or self._link.failure is not None:
             return
-        self._failure = error
+        self._link.failure = error
         logger.warning("group %s: operation failed, group unusable from now on: %s",
                        self._name(), error)
 
@@ -284,11 +318,18 @@ class MoverProcessGroup(NamedProcessGroup):
             return
         self._closed = True
         _live_groups.discard(self)
-        with self._lock:
-            pending = [item for item in self._inflight if not item.done()]
-            self._inflight = []
-        gloo, nccl = self._gloo, self._nccl
+        with self._link.lock:
+            self._link.users -= 1
+            last_user = self._link.users == 0
+            pending = [item for item in self._link.inflight if not item.done()]
+            if last_user:
+                self._link.inflight = []
+        gloo, nccl = self._gloo if last_user else None, self._nccl
         self._gloo = self._nccl = None
+        if not last_user:
+            logger.debug("group %s shut down; its gloo backend stays with %d other group(s)",
+                         self._name(), self._link.users)
+            return
         if nccl is not None:
             try:
                 if pending or self.aborted:
@@ -343,10 +384,10 @@ class MoverProcessGroup(NamedProcessGroup):
         stream_ordered = backend is self._nccl
         pending = [observe(work, stream_ordered=stream_ordered, point_to_point=point_to_point)
                    for work in calls(backend)]
-        with self._lock:
+        with self._link.lock:
             # Completed works are dropped here so that their tensors are not kept alive.
-            self._inflight = [item for item in self._inflight if not item.done()]
-            self._inflight.extend(pending)
+            self._link.inflight = [item for item in self._link.inflight if not item.done()]
+            self._link.inflight.extend(pending)
         return AbortableWork(self, pending, op, stream_ordered=stream_ordered)
 
     # ------------------------------------------------------------------ collectives

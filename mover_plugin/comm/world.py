@@ -6,8 +6,9 @@ so a newcomer's WORLD can meet the others' only if every rank builds a new one â
 every rank of the job at every switch. A framework's layout already puts ranks that train
 together in common groups: Megatron's model-parallel groups times its data-parallel groups,
 DeepSpeed's pipeline groups times its data-parallel groups, cover the world as a grid (each
-group of one kind meets each group of the other in exactly one rank). Once a :class:`WorldGroup` is given
-such a *cover* (:meth:`WorldGroup.cover`), its operations run over the cover's groups:
+group of one kind meets each group of the other in exactly one rank). Once a
+:class:`WorldGroup` is given such a *cover* (:meth:`WorldGroup.cover`), its operations run over
+the cover's groups:
 
 * an all-reduce is one all-reduce per cover group in turn (exact for every associative
   ``ReduceOp``; the summation order is fixed, so runs stay bit-for-bit reproducible);
@@ -106,6 +107,8 @@ def _unless_uncovered(method: Callable[..., AbortableWork]) -> Callable[..., Abo
 
 class WorldGroup(MoverProcessGroup):
     """The ``mover`` backend's default group; see the module docstring."""
+
+    is_default_group = True  # shares no backend (its own is left idle once covered)
 
     def __init__(self, store: Store, rank: int, size: int, timeout: timedelta, *,
                  connect: bool = True, **kwargs: Any) -> None:
