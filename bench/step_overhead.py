@@ -15,7 +15,10 @@ threads) without the waiting for cores and peers that makes the step time noisy 
 
 Run-to-run noise with 4 workers and a standby sharing 2 cores is 10-20 %, far above the 1 %
 being measured; with one worker per core (``--nproc 2 --pp 1``) it is much smaller. Use enough
-repeats and steps and read the spread before the ratio.
+repeats and steps and read the spread before the ratio. For each figure the ``_PAIRED`` line
+compares the two runs of each repeat (run next to each other, order alternating) and prints the
+mean difference with its one-sided 95 % upper confidence bound: the goal counts as shown only
+when that bound is <= +1 %.
 
 Usage::
 
@@ -92,6 +95,29 @@ def main() -> None:
         print(f"{label} off median {statistics.median(off):.4f} (min {min(off):.4f}, "
               f"max {max(off):.4f}); on median {statistics.median(on):.4f} (min {min(on):.4f}, "
               f"max {max(on):.4f}); on/off {ratio:.4f} ({100 * (ratio - 1):+.1f} %, goal <= +1 %)")
+        print(f"{label}_PAIRED {_paired(on, off)}")
+
+
+# One-sided 95 % quantiles of Student's t for 1..30 degrees of freedom.
+_T95 = (6.314, 2.920, 2.353, 2.132, 2.015, 1.943, 1.895, 1.860, 1.833, 1.812, 1.796, 1.782,
+        1.771, 1.761, 1.753, 1.746, 1.740, 1.734, 1.729, 1.725, 1.721, 1.717, 1.714, 1.711,
+        1.708, 1.706, 1.703, 1.701, 1.699, 1.697)
+
+
+def _paired(on: list[float], off: list[float]) -> str:
+    """The on/off difference of each repeat's pair (the two runs next to each other in time,
+    so slow drifts of the machine cancel), their mean and its one-sided 95 % upper confidence
+    bound (Student's t): the overhead is shown to be <= 1 % when that bound is."""
+    differences = [100 * (a / b - 1) for a, b in zip(on, off)]
+    listed = ", ".join(f"{d:+.1f}" for d in differences)
+    if len(differences) < 2:
+        return f"on/off per repeat {listed} % (one pair: no confidence bound)"
+    mean = statistics.mean(differences)
+    t = _T95[min(len(differences) - 1, len(_T95)) - 1]
+    bound = mean + t * statistics.stdev(differences) / len(differences) ** 0.5
+    verdict = "shown" if bound <= 1 else "not shown"
+    return (f"on/off per repeat {listed} %; mean {mean:+.2f} %, 95 % upper bound {bound:+.2f} % "
+            f"(goal <= +1 %: {verdict})")
 
 
 if __name__ == "__main__":
