@@ -157,6 +157,7 @@ class MoverProcessGroup(NamedProcessGroup):
 
     backend_name = BACKEND_NAME
     c10d_gloo: bool = False
+    is_default_group = False
 
     def __init__(self, store: Store, rank: int, size: int, timeout: timedelta, *,
                  group_name: str = "", global_ranks: Sequence[int] = (),
@@ -215,8 +216,6 @@ class MoverProcessGroup(NamedProcessGroup):
                 and self.usable and not self.is_default_group and not other.is_default_group
                 and self._abortable == other._abortable)
 
-    is_default_group = False
-
     @property
     def epoch(self) -> int:
         """The alarm epoch this group belongs to (the current one if alarms do not abort it)."""
@@ -228,7 +227,8 @@ class MoverProcessGroup(NamedProcessGroup):
         return self._abort_reason is not None or alarm.current_epoch() != self.epoch
 
     def pending_operations(self) -> int:
-        """How many backend operations issued on this group have not completed."""
+        """How many backend operations issued on this group (and the groups sharing its gloo
+        backend) have not completed."""
         with self._link.lock:
             return sum(1 for item in self._link.inflight if not item.done())
 
@@ -240,9 +240,10 @@ class MoverProcessGroup(NamedProcessGroup):
 
     @property
     def idle(self) -> bool:
-        """Whether every operation issued here has completed and none failed: the members
-        of a group that is idle on all of them issued the same operations, so the group can
-        go on being used after an alarm (see :meth:`revive`)."""
+        """Whether every operation issued here (and on the groups sharing its gloo backend)
+        has completed and none failed: the members of a group that is idle on all of them
+        issued the same operations, so the group can go on being used after an alarm (see
+        :meth:`revive`)."""
         return (self._link.failure is None and not self._closed and not self._nccl_aborted
                 and self._abort_reason is None and self.pending_operations() == 0)
 
