@@ -337,7 +337,8 @@ def test_collectives_and_p2p_on_default_and_sub_groups() -> None:
 
 
 def _ring_connections(rank: int, store: dist.Store, port: int) -> dict:
-    """Five ranks build a group with ring connections, then one with the full mesh."""
+    """Five ranks build a group with ring connections, a twin that shares its backend, then a
+    group with c10d's full mesh; each step's new connections are counted."""
     from mover_plugin.processes import established_connections
 
     size, opened = 5, {}
