@@ -28,7 +28,7 @@ import torch.distributed.distributed_c10d as c10d
 
 from mover_plugin.comm import retired
 from mover_plugin.comm.process_group import BACKEND_NAME, MoverProcessGroup
-from mover_plugin.comm.world import WorldGroup, WorldOptions
+from mover_plugin.comm.world import WorldGroup, WorldOptions, group_members
 
 logger = logging.getLogger(__name__)
 
@@ -89,8 +89,8 @@ def _create_group(options: Any, backend_options: Any = None) -> MoverProcessGrou
 def _group_with_members(global_ranks: list[int]) -> Optional[MoverProcessGroup]:
     """A registered ``mover`` group (not the default one) whose members are ``global_ranks`` in
     this order: a new group with the same members shares its gloo backend."""
-    for group, ranks in c10d._world.pg_group_ranks.items():
+    for group in c10d._world.pg_group_ranks:
         if (isinstance(group, MoverProcessGroup) and not group.is_default_group
-                and sorted(ranks, key=ranks.__getitem__) == global_ranks):
+                and list(group_members(group)) == global_ranks):
             return group
     return None
