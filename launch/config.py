@@ -43,7 +43,10 @@ class MigrationInjection:
     ``fault``, a process of the migration is killed (SIGKILL) at a set point of it:
     ``joiner`` — the joiner, in phase 1 once its model is built; ``leaver`` — the leaving
     process, in phase 2 once the hand-over group is open, before its state is sent;
-    ``stayer=S`` — rank S, in phase 2 right after it switched to the new groups."""
+    ``stayer=S`` — rank S, in phase 2 right after it switched to the new groups; ``commit=S``
+    — rank S (any rank of the old generation), at its commit all-reduce once the switch notice
+    is there (it waits for it there), before it votes, so that no rank passes that commit; ``update=S`` — rank S, in the switch iteration
+    right after that all-reduce agreed on the switch, before its optimizer update."""
 
     rank: int
     step: int
@@ -53,9 +56,9 @@ class MigrationInjection:
         return f"{self.rank}:{self.step}" + (f":{self.fault}" if self.fault else "")
 
     @property
-    def stayer(self) -> Optional[int]:
-        """The staying rank a ``stayer=S`` fault kills, if any."""
-        if self.fault is None or not self.fault.startswith("stayer="):
+    def fault_rank(self) -> Optional[int]:
+        """The rank a ``stayer=S``, ``commit=S`` or ``update=S`` fault kills, if any."""
+        if self.fault is None or "=" not in self.fault:
             return None
         return int(self.fault.partition("=")[2])
 
@@ -169,8 +172,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="Migrate global RANK to a standby when it begins STEP, as 'mover migrate --rank "
         "RANK' would (resilient policy). Repeatable; armed like --inject-failure. FAULT kills "
         "a process of the migration with SIGKILL: 'joiner' (in phase 1, once its model is "
-        "built), 'leaver' (in phase 2, before its state is sent) or 'stayer=S' (rank S, in "
-        "phase 2, right after it switched).")
+        "built), 'leaver' (in phase 2, before its state is sent), 'stayer=S' (rank S, in "
+        "phase 2, right after it switched), 'commit=S' (rank S, at its commit all-reduce once "
+        "it has the switch notice, before voting) or 'update=S' (rank S, in the switch iteration, "
+        "right after that all-reduce).")
     add("--slow-rank-factor", dest="slow_rank_factor", type=_factor, default=None,
         metavar="F", help="Migrate a rank to a standby when its busy time per step (the step "
         "minus its waits for peers) stays above F times the median of all ranks (resilient "
@@ -209,9 +214,9 @@ def parse_launch_args(argv: Sequence[str], python: str) -> LaunchConfig:
                     f"the job has ranks 0..{world_size - 1}"
                 )
     for injection in args.inject_migration:
-        stayer = injection.stayer
-        if stayer is not None and stayer >= world_size:
-            raise ConfigError(f"--inject-migration {injection.spec()}: rank {stayer} does not "
+        killed = injection.fault_rank
+        if killed is not None and killed >= world_size:
+            raise ConfigError(f"--inject-migration {injection.spec()}: rank {killed} does not "
                               f"exist; the job has ranks 0..{world_size - 1}")
     if args.inject_migration and args.policy != "resilient":
         raise ConfigError(f"--inject-migration {args.inject_migration[0].spec()} needs "
@@ -261,7 +266,7 @@ def _injection_argument(text: str) -> FailureInjection:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
-MIGRATION_FAULTS = ("joiner", "leaver", "stayer=S")
+MIGRATION_FAULTS = ("joiner", "leaver", "stayer=S", "commit=S", "update=S")
 
 
 def _migration_argument(text: str) -> MigrationInjection:
@@ -275,7 +280,7 @@ def _migration_argument(text: str) -> MigrationInjection:
     if fault is not None and not _is_migration_fault(fault, rank):
         raise argparse.ArgumentTypeError(
             f"fault {fault!r} in {text!r} is not one of {', '.join(MIGRATION_FAULTS)} (S: a "
-            f"staying rank, not {rank})")
+            f"rank; for stayer=S a staying one, not {rank})")
     return MigrationInjection(rank, step, fault)
 
 
@@ -283,7 +288,9 @@ def _is_migration_fault(fault: str, rank: int) -> bool:
     if fault in ("joiner", "leaver"):
         return True
     name, _, value = fault.partition("=")
-    return name == "stayer" and value.isdigit() and int(value) != rank
+    if name not in ("stayer", "commit", "update") or not value.isdigit():
+        return False
+    return name != "stayer" or int(value) != rank
 
 
 def _signal(name: str, text: str) -> int:

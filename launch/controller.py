@@ -22,12 +22,14 @@ leaving ranks' places (each leaving rank is its joiner's source of state), promo
 once and posts the ``prepare`` notice to generation ``g`` (phase 1, while training goes on: the
 joiners build their groups and model, the other ranks the next generation's version of their
 groups that hold a leaving rank); when all of them report ready it posts the ``switch``
-notice; the ranks switch at the end of the iteration in which they all saw it (phase 2), the
-leavers hand their state over and exit. A process lost during a migration calls it off (phase
-1) or abandons it (phase 2) and is recovered like any crash (see
-``_failure_during_migration``). Operator requests arrive in the ``requests`` mailbox; each
-gets a reply (accepted, or rejected with the reason) and, for a migration, a second one when
-training runs on the new processes.
+notice; the ranks end the iteration in which they all saw it (phase 2), the leavers hand their
+state over, and once every rank has ended that iteration the controller commits the switch
+(``gen{g}/next`` and ``gen{g+1}/switch``): the leavers exit, the others put the new groups in
+place. A process lost before that point calls the migration off — the other processes go on in
+generation ``g`` and the loss is recovered like any crash — and one lost after it abandons the
+migration's unfinished hand-overs or waits for them (see ``_failure_during_migration``).
+Operator requests arrive in the ``requests`` mailbox; each gets a reply (accepted, or rejected
+with the reason) and, for a migration, a second one when training runs on the new processes.
 """
 
 from __future__ import annotations
@@ -58,12 +60,15 @@ from mover_plugin.launch.protocol import (
     CURRENT_GENERATION_KEY,
     LAYOUT_KEY,
     REQUESTS_MAILBOX,
+    SWITCH_CANCEL,
+    SWITCH_GO,
     plan_key,
     promotion_key,
     request_done_key,
     request_reply_key,
     standbys_ready_key,
     successor_key,
+    switch_decision_key,
 )
 from mover_plugin.launch.slow_ranks import SlowRankDetector
 from mover_plugin.launch.summary import Interruption, RunSummary
@@ -89,6 +94,8 @@ class _Migration:
     request_id: str
     plan: list[Replacement]
     old_generation: int
+    generation: int
+    """The generation the migration forms."""
     interruption: Interruption
     prepared: set[int] = field(default_factory=set)
     """Joiners whose groups and model are built."""
@@ -99,6 +106,9 @@ class _Migration:
     duration."""
     handed_over: set[int] = field(default_factory=set)
     switch_posted: bool = False
+    committed: bool = False
+    """Set once every rank of the old generation ended the switch iteration: the point of no
+    return, from which the processes switch to :attr:`generation`."""
     deferred: list[dict[str, Any]] = field(default_factory=list)
     """Failures of staying ranks during phase 2, recovered once the hand-over completes."""
     before: tuple[Membership, dict[int, int]] = field(
@@ -214,13 +224,15 @@ class Controller:
         self._first_step: dict[int, float] = {}
         self._switched: dict[int, float] = {}
 
-    def _plan_generation(self, record: dict[str, Any]) -> int:
+    def _plan_generation(self, record: dict[str, Any], *, link: bool = True) -> int:
         """Starts the generation after the current one with ``record`` as its plan, and
-        tells the current one's processes which generation follows theirs."""
+        (with ``link``; a migration does it at its point of no return) tells the current one's
+        processes which generation follows theirs."""
         old, new = self._generation, self._last_generation + 1
         self._begin_generation(new)
         self._store.set(plan_key(new), json.dumps({"generation": new, **record}))
-        self._store.set(successor_key(old), str(new))
+        if link:
+            self._store.set(successor_key(old), str(new))
         return old
 
     def _reset_attempt_state(self) -> None:
@@ -291,21 +303,13 @@ class Controller:
             outcome = self._failure_during_migration(event, leaver)
             if outcome == "handled":
                 return None
-            lost = outcome if isinstance(outcome, list) else lost
+            lost = outcome
         interruption = self._record_failure(event)
         self.log.write("worker_failed", "detect", generation=self._generation, rank=rank,
                        when=event["time"], how=event["how"], step=event["step_begun"],
                        leaver=leaver or None)
         logger.warning("rank %d failed at step %d (%s)", rank, event["step_begun"], event["how"])
-        if self._migration is not None:
-            reason = (f"rank {rank} failed during the migration of rank(s) "
-                      f"{self._migration.ranks} before every rank had ended the iteration of "
-                      "the switch (recovery in that window is not supported yet)")
-            self._end_migration(ok=False, error=reason)
-            self.log.write("fallback", "fallback", generation=self._generation, rank=rank,
-                           reason=reason)
-            logger.warning("falling back to a restart: %s", reason)
-        elif self.config.policy == "resilient":
+        if self.config.policy == "resilient":
             plan = plan_recovery(lost, self._layout(), self._pool, self._node_of_rank)
             if not isinstance(plan, Fallback):
                 self._switch_generation(plan, interruption)
@@ -322,17 +326,26 @@ class Controller:
         self._commands.post({"op": "stop", "attempt": self._attempt})
         return None
 
-    def _failure_during_migration(self, event: dict[str, Any],
-                                  leaver: bool) -> "str | list[int] | None":
+    def _failure_during_migration(self, event: dict[str, Any], leaver: bool) -> "str | list[int]":
         """A process died while a migration was under way. Returns ``"handled"`` (the job goes
-        on without a recovery now), the ranks to recover with standbys (the migration was
-        called off or abandoned), or None (the restart baseline)."""
+        on without a recovery now) or the ranks to recover with standbys.
+
+        Before the point of no return (phase 1, or phase 2 until every rank has ended the
+        switch iteration) the migration is called off: the processes of the old generation go
+        on in it — those that ended the switch iteration learn it from the switch decision —
+        and a lost rank of theirs is recovered from there, like any crash. After it, the lost
+        process's rank is recovered in the migration's generation: at once if its hand-over had
+        not completed (the migration is abandoned), or once the hand-overs are done.
+        """
         migration = self._migration
         rank, moving = event["rank"], event["rank"] in migration.ranks
-        if not migration.switch_posted:  # phase 1: every rank still trains in the old generation
-            joiner = moving and not leaver
-            self._cancel_migration(f"{'the joiner of ' if joiner else ''}rank {rank} was lost "
-                                   f"in phase 1 ({event['how']})", failed=True)
+        joiner = moving and not leaver
+        if not migration.committed:
+            where = ("in phase 1" if not migration.switch_posted else
+                     "in phase 2 before every rank had ended the switch iteration")
+            process = "the joiner of " if joiner else "the leaver of " if leaver else ""
+            self._cancel_migration(f"{process}rank {rank} was lost {where} ({event['how']})",
+                                   failed=True)
             if joiner:
                 self.log.write("joiner_lost", "migrate", generation=self._generation,
                                rank=rank, when=event["time"], how=event["how"])
@@ -341,20 +354,16 @@ class Controller:
         if len(migration.handed_over) == len(migration.plan):
             self._end_migration(ok=True)  # the ranks had moved; this is an ordinary failure
             return [rank]
-        if moving:  # phase 2, a leaver or joiner before the hand-over completed
-            if leaver and rank not in migration.boundary:
-                return None  # the others may wait for it inside the switch iteration
-            self._abandon_migration(f"the {'leaver' if leaver else 'joiner'} of rank {rank} "
+        if moving:  # a leaver or joiner before its hand-over completed
+            self._abandon_migration(f"the {'joiner' if joiner else 'leaver'} of rank {rank} "
                                     f"was lost before the hand-over ({event['how']}); the "
                                     "rank is recovered from a data-parallel twin")
             return [r for r in migration.ranks if r not in migration.handed_over]
-        if rank in migration.boundary:  # a staying rank that ended the switch iteration
-            migration.deferred.append(event)
-            self.log.write("failure_deferred", "migrate", generation=self._generation,
-                           rank=rank, when=event["time"],
-                           reason="recovered once the hand-over in progress completes")
-            return "handled"
-        return None
+        migration.deferred.append(event)  # a staying rank: it had ended the switch iteration
+        self.log.write("failure_deferred", "migrate", generation=self._generation,
+                       rank=rank, when=event["time"],
+                       reason="recovered once the hand-over in progress completes")
+        return "handled"
 
     def _abandon_migration(self, reason: str) -> None:
         """Phase 2 failed: the leavers and joiners of ranks not yet handed over are stopped."""
@@ -626,22 +635,22 @@ class Controller:
 
     def _begin_migration(self, request_id: str, plan: list[Replacement],
                          fault: Optional[str] = None) -> None:
-        old = self._generation
         now = time.time()
+        before = (self._membership, dict(self._node_of_rank))
+        self._membership = self._membership.next_generation(plan)
+        old = self._plan_generation({"world_size": self.config.world_size, "kind": "migration",
+                                     "replacements": [vars(item) for item in plan],
+                                     "fault": fault}, link=False)
         interruption = Interruption(kind="migration", rank=plan[0].rank, step=0, how="planned",
                                     injected=False, attempt=self._attempt, recovery="standby",
-                                    generation=old + 1)
+                                    generation=self._generation)
         interruption.mark("requested", now)
         self.summary.interruptions.append(interruption)
         self._interruption = interruption
-        self._migration = _Migration(request_id, plan, old, interruption,
-                                     before=(self._membership, dict(self._node_of_rank)))
-        self._membership = self._membership.next_generation(plan)
-        self._plan_generation({"world_size": self.config.world_size, "kind": "migration",
-                               "replacements": [vars(item) for item in plan],
-                               "fault": fault})
+        self._migration = _Migration(request_id, plan, old, self._generation, interruption,
+                                     before=before)
         self._promote(plan, migration=True)
-        self._notify(old, "prepare")
+        self._notify(old, "prepare", next=self._generation)
         for item in plan:
             self.log.write("migration_requested", "migrate", generation=self._generation,
                            rank=item.rank, when=now, standby=item.standby, node=item.node)
@@ -652,8 +661,10 @@ class Controller:
     def _migration_state(migration: _Migration) -> str:
         if not migration.switch_posted:
             return "phase 1: joiners and the other ranks preparing the new groups"
+        if not migration.committed:
+            return "phase 2: ending the switch iteration"
         if len(migration.handed_over) < len(migration.plan):
-            return "phase 2: switching at the next iteration boundary"
+            return "phase 2: handing the ranks over"
         return "phase 2: waiting for the first step on the new processes"
 
     def _on_prepared(self, event: dict[str, Any]) -> Optional[int]:
@@ -704,6 +715,25 @@ class Controller:
             migration.interruption.step = event["iteration"]
             migration.interruption.last_step_before = last
             migration.interruption.step_time_before = step_s
+            self._commit_switch()
+        return None
+
+    def _commit_switch(self) -> None:
+        """Every rank ended the switch iteration: the point of no return. The old
+        generation's processes switch to the migration's (the leavers exit once handed
+        over)."""
+        migration = self._migration
+        migration.committed = True
+        self._store.set(successor_key(migration.old_generation), str(migration.generation))
+        self._store.set(switch_decision_key(migration.generation), SWITCH_GO)
+        self.log.write("switch_committed", "migrate", generation=migration.generation,
+                       ranks=migration.ranks)
+
+    def _on_switch_cancelled(self, event: dict[str, Any]) -> Optional[int]:
+        """A rank that had ended the switch iteration goes on in its generation: the
+        migration was cancelled before its point of no return."""
+        self.log.write("switch_cancelled", "migrate", generation=event["generation"],
+                       rank=event["rank"], when=event["time"], migration=event["migration"])
         return None
 
     def _on_left(self, event: dict[str, Any]) -> Optional[int]:
@@ -748,6 +778,8 @@ class Controller:
         migration = self._migration
         if migration is None:
             return
+        # Ranks that ended the switch iteration wait for this decision (none in phase 1).
+        self._store.set(switch_decision_key(migration.generation), SWITCH_CANCEL)
         for item in migration.plan:
             self._commands.post({"op": "cancel_promotion", "standby": item.standby,
                                  "rank": item.rank})

@@ -4,7 +4,14 @@
 * ``gen{g}/...`` — generation ``g``'s namespace: its process groups rendezvous under it;
 * ``gen{g}/plan`` — how generation ``g`` was formed (JSON: replacements with their twins);
 * ``gen{g}/next`` — the generation that follows ``g`` (a planned generation that was
-  abandoned, e.g. a migration whose joiner died, is skipped, its namespace never reused);
+  abandoned, e.g. a migration whose joiner died, is skipped, its namespace never reused). For a
+  migration it is set only at the migration's point of no return, once every rank of ``g`` has
+  ended the switch iteration: until then a rank lost in ``g`` is recovered in a generation
+  planned from ``g``;
+* ``gen{g}/switch`` — for a migration's generation ``g``: ``go`` once every rank of the old
+  generation ended the switch iteration (the leavers exit, the others switch), or ``cancel``
+  (the processes of the old generation go on in it; a crash that cancelled it is recovered
+  from there);
 * ``gen{g}/handover/{rank}/`` — the two-process group over which the process that hands
   ``rank`` over (the leaver, or a data-parallel twin after a crash) sends its state to the
   process that takes it;
@@ -37,6 +44,14 @@ def standbys_ready_key(attempt: int) -> str:
 
 def successor_key(generation: int) -> str:
     return f"gen{generation}/next"
+
+
+def switch_decision_key(generation: int) -> str:
+    return f"gen{generation}/switch"
+
+
+SWITCH_GO = "go"
+SWITCH_CANCEL = "cancel"
 
 
 def promotion_key(standby: str) -> str:

@@ -61,6 +61,11 @@ def test_injected_migrations_reach_the_agent_of_their_rank():
     config = parse("--nproc-per-node", "4", "--policy", "resilient", "--inject-migration", "1:3",
                    "--inject-migration", "3:8", "t.py")
     assert config.migrations == (MigrationInjection(1, 3), MigrationInjection(3, 8))
+    # commit=S and update=S may name the moving rank itself (its leaver is killed then).
+    config = parse("--nproc-per-node", "4", "--policy", "resilient", "--inject-migration",
+                   "1:3:commit=1", "--inject-migration", "3:8:update=0", "t.py")
+    assert [(m.fault, m.fault_rank) for m in config.migrations] == [("commit=1", 1),
+                                                                    ("update=0", 0)]
 
 
 def test_the_slow_rank_policy_is_off_by_default_and_reaches_the_agents():
@@ -100,9 +105,13 @@ def test_injection_forms():
         (["--policy", "resilient", "--inject-migration", "1:2:sideways", "t.py"],
          "fault 'sideways' in '1:2:sideways' is not one of joiner, leaver, stayer=S"),
         (["--policy", "resilient", "--inject-migration", "1:2:stayer=1", "t.py"],
-         "(S: a staying rank, not 1)"),
+         "(S: a rank; for stayer=S a staying one, not 1)"),
+        (["--policy", "resilient", "--inject-migration", "1:2:commit=x", "t.py"],
+         "stayer=S, commit=S, update=S"),
         (["--nproc-per-node", "4", "--policy", "resilient", "--inject-migration",
           "1:2:stayer=7", "t.py"], "--inject-migration 1:2:stayer=7: rank 7 does not exist"),
+        (["--nproc-per-node", "4", "--policy", "resilient", "--inject-migration",
+          "1:2:update=4", "t.py"], "--inject-migration 1:2:update=4: rank 4 does not exist"),
         (["--policy", "resilient", "--slow-rank-factor", "0.5", "t.py"],
          "'0.5' is not a number above 1 (a multiple of the median busy time)"),
         (["--policy", "resilient", "--slow-rank-steps", "3", "t.py"],

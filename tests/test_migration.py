@@ -90,26 +90,19 @@ def test_failures_during_migrations_are_survived_with_the_exact_result(tmp_path,
     * rank 3, a staying rank, in phase 2 right after it switched (rank 0 moving): rank 0's
       hand-over completes, then rank 3 is recovered from its twin by another standby.
     """
-    summary_path, events_path = tmp_path / "summary.json", tmp_path / "events.jsonl"
-    launcher = ["--policy", "resilient", "--standbys", "5", "--summary", str(summary_path),
-                "--event-log", str(events_path), "--stop-grace-s", "2",
-                "--inject-migration", "1:3:joiner", "--inject-migration", "2:12:leaver",
-                "--inject-migration", "0:22:stayer=3"]
-    result = run_command([*LAUNCH, "--standalone", "--nproc-per-node", "4", *launcher, EXAMPLE,
-                          *MODEL, *PP2, "--train-iters", "40"], timeout_s=500)
-    assert result.returncode == 0, result.output[-6000:]
-    assert digest(result) == digest(reference_pp2_40)
-    summary, events = json.loads(summary_path.read_text()), read_events(events_path)
-    assert summary["steps_completed"] == 40 and summary["restarts"] == 0
-    assert not [e for e in events if e["event"] in ("fallback", "restart")], result.output[-3000:]
+    summary, events = _survive_faulty_migrations(
+        tmp_path, reference_pp2_40, standbys=5,
+        migrations=["1:3:joiner", "2:12:leaver", "0:22:stayer=3"])
     outcomes = [(e["event"], e.get("ranks")) for e in events
                 if e["event"] in ("migration_done", "migration_failed")]
     assert outcomes == [("migration_failed", [1]), ("migration_failed", [2]),
                         ("migration_done", [0])]
     failed = [e for e in events if e["event"] == "migration_failed"]
     assert "joiner of rank 1 was lost in phase 1" in failed[0]["error"]
-    # The leaver is killed; its joiner, cut off, exits too: either loss may be seen first.
-    assert "of rank 2 was lost before the hand-over" in failed[1]["error"]
+    # The leaver is killed once the hand-over group is open: before the switch was committed
+    # (the migration is cancelled) or after (abandoned); its joiner, cut off, exits too, and
+    # either loss may be seen first.
+    assert "of rank 2 was lost" in failed[1]["error"], failed[1]
     assert [e["rank"] for e in events if e["event"] == "joiner_lost"] == [1]
     # Rank 3 dies right after it switched: if rank 0's hand-over had not completed yet, its
     # recovery waits for it (deferred); either way rank 3 is recovered from its twin.
@@ -119,6 +112,72 @@ def test_failures_during_migrations_are_survived_with_the_exact_result(tmp_path,
     crashes = [i for i in summary["interruptions"] if i["kind"] == "failure"]
     assert [(i["rank"], i["recovery"]) for i in crashes] == [(2, "standby"), (3, "standby")]
     assert all(i["downtime_s"] is not None for i in crashes)
+
+
+def test_a_rank_lost_inside_the_switch_iteration_is_recovered_in_place(tmp_path,
+                                                                       reference_pp2_40):
+    """One run, three migrations, each with a process killed (SIGKILL) in the iteration at
+    whose end the ranks were to switch, before every rank had ended it — before the point of
+    no return, so each migration is cancelled, the processes go on in the old generation and
+    the lost rank is recovered there from its data-parallel twin:
+
+    * rank 3, a staying rank, at its commit all-reduce once it has the switch notice, before
+      voting (rank 1 moving): no rank passes that commit, all leave the iteration and redo it;
+    * rank 2, a staying rank, right after that all-reduce agreed on the switch (rank 0
+      moving): ranks 0 and 1 (the first stage) end the iteration (rank 0 hands its state
+      over), learn that the switch is cancelled and lose rank 2 in the next iteration; rank 3,
+      which had passed the commit too, loses it in the data-parallel loss all-reduce after its
+      update, so the ranks are on both sides of the iteration's end when they recover;
+    * rank 3's own leaving process, right after the all-reduce (rank 3 moving).
+    """
+    summary, events = _survive_faulty_migrations(
+        tmp_path, reference_pp2_40, standbys=6,
+        migrations=["1:4:commit=3", "0:16:update=2", "3:28:update=3"])
+    assert not [e for e in events if e["event"] == "switch_committed"]
+    failed = [e for e in events if e["event"] in ("migration_done", "migration_failed")]
+    assert [(e["event"], e["ranks"]) for e in failed] == [("migration_failed", [1]),
+                                                          ("migration_failed", [0]),
+                                                          ("migration_failed", [3])]
+    window = "was lost in phase 2 before every rank had ended the switch iteration"
+    assert f"cancelled: rank 3 {window}" in failed[0]["error"], failed[0]
+    assert f"cancelled: rank 2 {window}" in failed[1]["error"], failed[1]
+    assert f"cancelled: the leaver of rank 3 {window}" in failed[2]["error"], failed[2]
+    # Who had ended the switch iteration and went on in the old generation when the switch
+    # was cancelled: nobody when rank 3 died before the commit; after it, the first stage (the
+    # last stage's survivor was cut off in the loss all-reduce that follows the update).
+    migrations = [e["generation"] for e in events if e["event"] == "migration_requested"]
+    stayed = [{e["rank"] for e in events if e["event"] == "switch_cancelled"
+               and e["migration"] == generation} for generation in migrations]
+    assert stayed == [set(), {0, 1}, {0, 1}], stayed
+    recoveries = [(e["rank"], e["twin"]) for e in events if e["event"] == "promote"]
+    assert recoveries == [(3, 2), (2, 3), (3, 2)]
+    crashes = [i for i in summary["interruptions"] if i["kind"] == "failure"]
+    assert [(i["rank"], i["recovery"]) for i in crashes] == [(3, "standby"), (2, "standby"),
+                                                            (3, "standby")]
+    assert all(i["downtime_s"] is not None for i in crashes)
+    # The leaving processes of the cancelled migrations stayed (none exited after a
+    # hand-over); the joiners were stopped.
+    assert not [e for e in events if e["event"] == "leaver_exit"]
+
+
+def _survive_faulty_migrations(tmp_path: Path, reference, *, standbys: int,
+                               migrations: list[str]) -> tuple[dict, list[dict]]:
+    """Runs the 40-step job with ``--inject-migration`` of each of ``migrations``; checks that
+    it completed every step with the reference's digest, with neither a restart nor a
+    fallback; returns its summary and event log."""
+    summary_path, events_path = tmp_path / "summary.json", tmp_path / "events.jsonl"
+    launcher = ["--policy", "resilient", "--standbys", str(standbys), "--summary",
+                str(summary_path), "--event-log", str(events_path), "--stop-grace-s", "2"]
+    for migration in migrations:
+        launcher += ["--inject-migration", migration]
+    result = run_command([*LAUNCH, "--standalone", "--nproc-per-node", "4", *launcher, EXAMPLE,
+                          *MODEL, *PP2, "--train-iters", "40"], timeout_s=500)
+    assert result.returncode == 0, result.output[-6000:]
+    assert digest(result) == digest(reference)
+    summary, events = json.loads(summary_path.read_text()), read_events(events_path)
+    assert summary["steps_completed"] == 40 and summary["restarts"] == 0
+    assert not [e for e in events if e["event"] in ("fallback", "restart")], result.output[-3000:]
+    return summary, events
 
 
 def _mover(*args: str, env: dict) -> subprocess.CompletedProcess:

@@ -14,7 +14,7 @@ class _Recorder:
     def __init__(self) -> None:
         self.alarms: list[str] = []
         self.switches = 0
-        self.preparations = 0
+        self.preparations: list[int] = []
 
     def alarm(self, reason: str) -> None:
         self.alarms.append(reason)
@@ -22,8 +22,8 @@ class _Recorder:
     def switch(self) -> None:
         self.switches += 1
 
-    def prepare(self) -> None:
-        self.preparations += 1
+    def prepare(self, generation: int) -> None:
+        self.preparations.append(generation)
 
 
 def _watch(generation: int):
@@ -50,11 +50,11 @@ def test_only_the_followed_generation_s_notices_are_acted_on() -> None:
     try:
         _send(pipe, generation=0, kind="alarm", reason="old generation")
         _send(pipe, generation=2, kind="switch")
-        _send(pipe, generation=0, kind="prepare")
-        _send(pipe, generation=1, kind="prepare")
+        _send(pipe, generation=0, kind="prepare", next=3)
+        _send(pipe, generation=1, kind="prepare", next=4)
         _send(pipe, generation=1, kind="switch")
         assert _wait_for(lambda: recorder.switches == 1)
-        assert recorder.preparations == 1 and recorder.alarms == []
+        assert recorder.preparations == [4] and recorder.alarms == []
         watcher.follow(2)
         assert watcher.generation == 2
         _send(pipe, generation=1, kind="alarm", reason="late alarm of generation 1")

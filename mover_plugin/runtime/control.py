@@ -21,11 +21,13 @@ from mover_plugin.errors import LaunchError
 from mover_plugin.launch.mailbox import Mailbox
 from mover_plugin.launch.protocol import (
     LAYOUT_KEY,
+    SWITCH_GO,
     generation_prefix,
     plan_key,
     promotion_key,
     standbys_ready_key,
     successor_key,
+    switch_decision_key,
 )
 from mover_plugin.layout import ParallelLayout
 
@@ -42,6 +44,14 @@ class ControlClient:
         self.attempt = int(os.environ.get("MOVER_ATTEMPT", "0"))
         self.generation = int(os.environ.get("MOVER_GENERATION", "0"))
         self.standby_id = os.environ.get("MOVER_STANDBY_ID")
+
+    def clone(self) -> "ControlClient":
+        """A client of the same process on a connection of its own (for a thread that must
+        not wait behind this client's blocking calls)."""
+        other = ControlClient(self._addr, self._port, self._timeout_s)
+        other.attempt, other.generation = self.attempt, self.generation
+        other.standby_id = self.standby_id
+        return other
 
     @classmethod
     def from_env(cls) -> Optional["ControlClient"]:
@@ -84,6 +94,11 @@ class ControlClient:
         """Blocks until the controller has planned the generation after ``generation``;
         returns its number."""
         return int(self._wait_and_get(successor_key(generation)))
+
+    def wait_for_switch(self, generation: int) -> bool:
+        """Blocks until the controller has decided whether the migration to ``generation``
+        goes ahead (True) or was cancelled (False)."""
+        return self._wait_and_get(switch_decision_key(generation)).decode() == SWITCH_GO
 
     def wait_for_promotion(self) -> dict[str, Any]:
         """A standby blocks here until promoted; returns ``{"rank", "generation"}``."""

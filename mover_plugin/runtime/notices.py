@@ -1,7 +1,7 @@
 """The controller's notices to a worker, relayed by the agent on its host.
 
 The controller posts a notice for a generation (``alarm``: a rank is lost, leave the step you
-are in; ``prepare``: a planned migration begins, build your part of the next generation's
+are in; ``prepare``: a planned migration to generation ``next`` begins, build your part of its
 groups; ``switch``: switch to the next generation at the next iteration boundary; ``retire``:
 the generation is over) as a command; every agent reads its commands anyway and writes the
 notice as one JSON line into each local process's notice pipe, whose read end the process
@@ -45,13 +45,13 @@ class NoticeWatcher:
         generation: the generation followed at first.
         on_alarm: called with the reason when the followed generation gets an alarm.
         on_switch: called when the followed generation gets a planned switch.
-        on_prepare: called when a planned migration of the followed generation begins (in the
-            watcher's thread: it must not block).
+        on_prepare: called with the migration's generation when a planned migration of the
+            followed generation begins (in the watcher's thread: it must not block).
     """
 
     def __init__(self, fd: int, generation: int, on_alarm: Callable[[str], None],
                  on_switch: Callable[[], None],
-                 on_prepare: Callable[[], None] = lambda: None) -> None:
+                 on_prepare: Callable[[int], None] = lambda generation: None) -> None:
         self._fd = fd
         self._generation = generation
         self._on_alarm = on_alarm
@@ -67,7 +67,8 @@ class NoticeWatcher:
     @classmethod
     def from_env(cls, generation: int, on_alarm: Callable[[str], None],
                  on_switch: Callable[[], None],
-                 on_prepare: Callable[[], None] = lambda: None) -> Optional["NoticeWatcher"]:
+                 on_prepare: Callable[[int], None] = lambda generation: None,
+                 ) -> Optional["NoticeWatcher"]:
         """The watcher of a process started by ``mover-launch``; None for any other."""
         raw = os.environ.get(NOTICE_FD_ENV)
         return cls(int(raw), generation, on_alarm, on_switch, on_prepare) if raw else None
@@ -131,4 +132,4 @@ class NoticeWatcher:
         elif notice["kind"] == "switch":
             self._on_switch()
         elif notice["kind"] == "prepare":
-            self._on_prepare()
+            self._on_prepare(notice["next"])

@@ -24,8 +24,11 @@ continue after a crash. Everything else is here:
   planned switch is due.
 - **Planned migration.** Phase 1 (a *prepare* notice) builds the next generation's version of
   the groups that contain the leaving rank in a thread of its own while training goes on;
-  phase 2, at the end of the agreed iteration, puts them in place, while the leaver sends its
-  own state to the joiner (:mod:`mover_plugin.runtime.handover`) and exits with status 0.
+  phase 2, at the end of the agreed iteration, the leaver sends its own state to the joiner
+  (:mod:`mover_plugin.runtime.handover`), and every rank waits for the controller's decision:
+  once every rank has ended that iteration the switch goes ahead (the others put the prepared
+  groups in place, the leaver exits with status 0); if a process was lost before, it is
+  cancelled, and all go on in this generation, where the loss is recovered like any crash.
 """
 
 from __future__ import annotations
@@ -226,17 +229,17 @@ class ResilienceRuntime:
     def _on_switch_notice(self) -> None:
         self._switch_requested = True
 
-    def _on_prepare_notice(self) -> None:
-        current = self.generation
+    def _on_prepare_notice(self, generation: int) -> None:
         self._discard_next_groups()  # of a migration that was called off
-        self._next_groups = _GroupPreparation(lambda: self._prepare_next_groups(current))
+        self._next_groups = _GroupPreparation(
+            generation, lambda: self._prepare_next_groups(generation))
 
-    def _prepare_next_groups(self, current: int) -> Optional[PreparedDelta]:
-        """Phase 1 of a migration at a rank of the current generation (in a thread of its
-        own): builds the next generation's version of this rank's groups that contain a
-        leaving rank. A leaving rank builds nothing."""
-        generation = self.control.wait_for_successor(current)
+    def _prepare_next_groups(self, generation: int) -> Optional[PreparedDelta]:
+        """Phase 1 of a migration to ``generation`` at a rank of the current generation (in
+        a thread of its own): builds that generation's version of this rank's groups that
+        contain a leaving rank. A leaving rank builds nothing."""
         plan = self.control.wait_for_plan(generation)
+        self._fault = plan.get("fault")
         leaving = {item["rank"] for item in plan["replacements"]}
         if self.rank in leaving:
             return None
@@ -345,11 +348,25 @@ class ResilienceRuntime:
         """The WORLD all-reduce every rank enters only with complete gradients."""
         assert self._step is not None, "the optimizer was stepped outside run_step"
         self._step.reached_commit = True
+        if self._fault == f"commit={self.rank}":
+            self._die_before_switch_vote()
         votes = torch.tensor([1.0, 1.0 if self._switch_requested else 0.0])
         dist.all_reduce(votes)
         self._step.passed_commit = True
         if votes[1] > 0:
             self._switch_agreed = True  # every rank switches at the end of this iteration
+            self._inject_fault(f"update={self.rank}")
+
+    def _die_before_switch_vote(self) -> None:
+        """The ``commit=S`` fault: this rank waits at the commit for the migration's switch
+        notice and dies before voting, so no rank passes the commit of the iteration that was
+        to be the switch's (a rank that sees the notice late would vote an iteration after the
+        others, past the switch iteration)."""
+        deadline = time.monotonic() + self.settings.collective_timeout_s
+        while not self._switch_requested and time.monotonic() < deadline:
+            time.sleep(0.005)
+        if self._switch_requested:
+            self._inject_fault(f"commit={self.rank}")
 
     def _leave_step(self, error: BaseException) -> None:
         cause = "alarm" if isinstance(error, CollectiveAborted) else "peer error"
@@ -374,21 +391,34 @@ class ResilienceRuntime:
         return target
 
     def _planned_switch(self, step_s: float) -> None:
-        """At the end of the iteration every rank agreed on: the leaver hands its rank over
-        and exits; the others move to the next generation with the joiner in its place."""
+        """At the end of the iteration every rank agreed on: a leaver hands its state to its
+        joiner; then, if the controller commits the switch (every rank ended the iteration),
+        the leaver exits and the others move to the next generation with the joiner in its
+        place; if it cancels it (a process was lost before), all go on in this one."""
         started = time.time()
         self.control.post("boundary", rank=self.rank, iteration=self._applied, time=started,
                           step_s=step_s)
-        plan = self.control.wait_for_plan(self.control.wait_for_successor(self.generation))
-        self._fault = plan.get("fault")
-        if any(item["rank"] == self.rank for item in plan["replacements"]):
-            self._hand_over(plan["generation"])
         preparation, self._next_groups = self._next_groups, None
         if preparation is None:
-            raise LaunchError(f"rank {self.rank}: switch to generation {plan['generation']} "
-                              "without its groups prepared")
+            raise LaunchError(f"rank {self.rank}: a planned switch without a migration "
+                              "prepared")
+        generation = preparation.generation
+        plan = self.control.wait_for_plan(generation)
+        leaving = any(item["rank"] == self.rank for item in plan["replacements"])
+        hand_over = self._start_hand_over(generation) if leaving else None
+        if not self.control.wait_for_switch(generation):
+            # A hand-over still running is left to end on its own: its joiner is stopped.
+            preparation.abandon()
+            self._switch_requested = self._switch_agreed = False
+            self.control.post("switch_cancelled", rank=self.rank, migration=generation)
+            logger.warning("rank %d: the migration to generation %d was cancelled; going on in "
+                           "generation %d", self.rank, generation, self.generation)
+            return
+        if hand_over is not None:
+            hand_over.join()
+            self._exit_handed_over(generation)
         delta = preparation.result()
-        self._advance_generation()
+        self._advance_generation(generation)
         # The step that just ended is reported in the old generation; the next one in this.
         replaced = self._install_groups(delta)
         self.control.post("switched", rank=self.rank, role="stayer", time=time.time(),
@@ -396,8 +426,10 @@ class ResilienceRuntime:
                           rebuilt=len(delta.replacements), kept=len(delta.kept))
         self._inject_fault(f"stayer={self.rank}")
 
-    def _advance_generation(self) -> None:
-        self.generation = self.control.wait_for_successor(self.generation)
+    def _advance_generation(self, generation: Optional[int] = None) -> None:
+        """Moves to ``generation`` (by default the one the controller names next)."""
+        self.generation = (self.control.wait_for_successor(self.generation)
+                           if generation is None else generation)
         self.control.generation = self.generation
         # An alarm of the old generation read from now on is ignored, and one being acted on
         # is done before the alarm is cleared for the new generation's groups.
@@ -426,17 +458,38 @@ class ResilienceRuntime:
         self._after_switch()
         return count
 
-    def _hand_over(self, generation: int) -> None:
-        """The leaver's end: its state goes to the joiner, then the process exits."""
+    def _start_hand_over(self, generation: int) -> threading.Thread:
+        """The leaver's end, in a thread of its own while the main thread waits for the
+        controller's decision: this iteration's state goes to the joiner. The thread uses a
+        store connection of its own, and a hand-over that cannot complete (its joiner was lost,
+        even before connecting) never holds up a cancelled migration."""
+        tensors, blob = self._state_tensors(), self._blob(self._applied)
+        control = self.control.clone()
+        thread = threading.Thread(target=self._hand_over,
+                                  args=(control, generation, tensors, blob),
+                                  name="mover-handover", daemon=True)
+        thread.start()
+        return thread
+
+    def _hand_over(self, control: ControlClient, generation: int, tensors: list[torch.Tensor],
+                   blob: dict[str, Any]) -> None:
         started = time.time()
-        group = open_handover(self.control.store, generation, self.rank, source=True,
-                              timeout=self._timeout())
-        opened = time.time()
-        self._inject_fault("leaver")
-        send_state(group, self._state_tensors(), self._blob(self._applied))
-        group.shutdown()
-        self.control.post("left", rank=self.rank, role="leaver", time=time.time(),
-                          handover_s=time.time() - started, transfer_s=time.time() - opened)
+        try:
+            group = open_handover(control.store, generation, self.rank, source=True,
+                                  timeout=self._timeout())
+            opened = time.time()
+            self._inject_fault("leaver")
+            send_state(group, tensors, blob)
+            group.shutdown()
+        except Exception as error:  # noqa: BLE001 - a lost joiner is the controller's to handle
+            logger.warning("rank %d: the hand-over to its joiner failed (%s)", self.rank,
+                           str(error)[:120])
+            return
+        control.post("left", rank=self.rank, role="leaver", time=time.time(),
+                     handover_s=time.time() - started, transfer_s=time.time() - opened)
+
+    def _exit_handed_over(self, generation: int) -> None:
+        """The leaver's last act once the switch is committed."""
         logger.warning("rank %d handed over to its replacement in generation %d; exiting",
                        self.rank, generation)
         self.finish()
@@ -473,9 +526,9 @@ class ResilienceRuntime:
 
 def exit_now(status: int = 0) -> None:
     """Ends a process whose rank lives on elsewhere (a leaver, or a joiner whose hand-over
-    failed) or that cannot go on. ``atexit`` callbacks run and output is flushed, but the interpreter's teardown is
-    skipped: for a training process it takes seconds of CPU that the ranks still training on
-    this host can use better."""
+    failed) or that cannot go on. ``atexit`` callbacks run and output is flushed, but the
+    interpreter's teardown is skipped: for a training process it takes seconds of CPU that the
+    ranks still training on this host can use better."""
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -483,11 +536,12 @@ def exit_now(status: int = 0) -> None:
 
 
 class _GroupPreparation:
-    """Runs a stayer's phase-1 group building in a thread of its own; :meth:`result` joins it
-    and returns its prepared groups (None at a leaving rank), or raises its error;
-    :meth:`abandon` releases them without waiting."""
+    """Runs a stayer's phase-1 group building for the migration to ``generation`` in a thread
+    of its own; :meth:`result` joins it and returns its prepared groups (None at a leaving
+    rank), or raises its error; :meth:`abandon` releases them without waiting."""
 
-    def __init__(self, build: Callable[[], Optional[PreparedDelta]]) -> None:
+    def __init__(self, generation: int, build: Callable[[], Optional[PreparedDelta]]) -> None:
+        self.generation = generation
         self._build = build
         self._lock = threading.Lock()
         self._abandoned = False
