@@ -704,8 +704,8 @@ class Controller:
     def _on_boundary(self, event: dict[str, Any]) -> Optional[int]:
         """A rank of the old generation ended its last step there."""
         migration = self._migration
-        if migration is None or event["generation"] != migration.old_generation:
-            return None
+        if migration is None or event["migration"] != migration.generation:
+            return None  # a late report of a migration that was cancelled
         migration.boundary[event["rank"]] = (event["time"], event["step_s"])
         self.log.write("boundary", "migrate", generation=event["generation"], rank=event["rank"],
                        when=event["time"], iteration=event["iteration"])
@@ -739,8 +739,8 @@ class Controller:
     def _on_left(self, event: dict[str, Any]) -> Optional[int]:
         """A leaving rank handed its state to its joiner."""
         migration = self._migration
-        if migration is None:
-            return None
+        if migration is None or event["migration"] != migration.generation:
+            return None  # a hand-over of a migration that was cancelled
         migration.handed_over.add(event["rank"])
         self.log.write("handed_over", "migrate", generation=event["generation"],
                        rank=event["rank"], when=event["time"], handover_s=event.get("handover_s"),

@@ -2,17 +2,29 @@
 
 A mailbox is a counter key plus one key per message. Any number of writers post; each reader
 keeps its own cursor and reads every message once, in posting order. The controller posts
-commands to the ``commands`` mailbox (every agent reads all of them) and the agents post events
-to the ``events`` mailbox (the controller reads them). Reads never block: ``poll`` returns what
-has arrived.
+commands to the ``commands`` mailbox (every agent reads all of them) and the agents and workers
+post events to the ``events`` mailbox (the controller reads them). Reads never block: ``poll``
+returns what has arrived.
+
+Posting takes a number, then writes the message under it. A writer killed between the two (a
+worker killed while it reports something) leaves a hole; a reader steps over a number that has
+been taken but not written for :data:`HOLE_TIMEOUT_S`, so the messages after it still arrive.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
+import logging
+import time
+from typing import Any, Optional
 
 import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+HOLE_TIMEOUT_S = 2.0
+"""How long a reader waits for a message whose number was taken before stepping over it (a
+live writer writes it right after taking the number)."""
 
 
 class Mailbox:
@@ -20,6 +32,8 @@ class Mailbox:
         self._store = store
         self._name = name
         self._next = 1
+        self._missing_since: Optional[float] = None
+        """When the reader first found message ``_next`` taken but not written."""
 
     def post(self, message: dict[str, Any]) -> int:
         """Appends ``message``; returns its sequence number (1-based)."""
@@ -30,7 +44,27 @@ class Mailbox:
     def poll(self) -> list[dict[str, Any]]:
         """Returns the messages posted since the last poll, in order."""
         messages = []
-        while self._store.check([f"{self._name}/{self._next}"]):
-            messages.append(json.loads(self._store.get(f"{self._name}/{self._next}")))
-            self._next += 1
-        return messages
+        while True:
+            key = f"{self._name}/{self._next}"
+            if self._store.check([key]):
+                messages.append(json.loads(self._store.get(key)))
+                self._next += 1
+                self._missing_since = None
+            elif not self._step_over_hole():
+                return messages
+
+    def _step_over_hole(self) -> bool:
+        """Whether message ``_next`` is a hole stepped over now: its number was taken
+        :data:`HOLE_TIMEOUT_S` ago or more and it was never written."""
+        if self._store.add(f"{self._name}/count", 0) < self._next:
+            return False  # nothing posted after the last message read
+        now = time.monotonic()
+        if self._missing_since is None:
+            self._missing_since = now
+        if now - self._missing_since < HOLE_TIMEOUT_S:
+            return False
+        logger.warning("mailbox %r: message %d was never written (its writer died while "
+                       "posting it); reading on", self._name, self._next)
+        self._next += 1
+        self._missing_since = None
+        return True

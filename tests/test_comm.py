@@ -351,6 +351,11 @@ def _ring_connections(rank: int, store: dist.Store, port: int) -> dict:
     for work in works:
         work.wait()
     opened["after_neighbour_p2p"] = len(established_connections() - before)
+    # Every rank counts before any starts the broadcast, whose root connects to ranks that are
+    # not its neighbours (a store barrier: a group operation could connect pairs itself).
+    store.add("p2p_counted", 1)
+    while store.add("p2p_counted", 0) < size:
+        time.sleep(0.01)
     tensor = torch.full((4,), float(rank + 1))
     group.broadcast([tensor], 3).wait()
     opened["after_broadcast"] = len(established_connections() - before)

@@ -1,7 +1,9 @@
 """Pure tests of mover-launch's flags, hostfiles, injections, mailbox and summary."""
 
+import json
 import signal
 import sys
+import time
 from datetime import timedelta
 
 import pytest
@@ -10,6 +12,7 @@ import torch.distributed as dist
 from mover_plugin.errors import ConfigError
 from mover_plugin.launch.config import MigrationInjection, parse_injection, parse_launch_args
 from mover_plugin.launch.hostfile import parse_hostfile
+from mover_plugin.launch import mailbox
 from mover_plugin.launch.mailbox import Mailbox
 from mover_plugin.launch.summary import Interruption, RunSummary
 
@@ -125,6 +128,27 @@ def test_bad_launcher_flags(argv, message):
     with pytest.raises(ConfigError) as error:
         parse(*argv)
     assert message in str(error.value)
+
+
+def test_a_mailbox_steps_over_a_message_its_writer_never_wrote(monkeypatch):
+    """A writer killed between taking a number and writing its message leaves a hole: the
+    reader waits for it a while (a live writer fills it), then reads on."""
+    monkeypatch.setattr(mailbox, "HOLE_TIMEOUT_S", 0.3)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=10))
+    writer, reader = Mailbox(store, "box"), Mailbox(store, "box")
+    writer.post({"n": 1})
+    store.add("box/count", 1)  # number 2 taken by a writer that dies before writing
+    writer.post({"n": 3})
+    assert [m["n"] for m in reader.poll()] == [1]
+    assert reader.poll() == []  # message 2 may still come
+    time.sleep(0.35)
+    assert [m["n"] for m in reader.poll()] == [3]  # number 2 stepped over
+    store.add("box/count", 1)  # number 4 taken by a live writer that writes it a moment later
+    assert reader.poll() == []
+    store.set("box/4", json.dumps({"n": 4}))
+    assert [m["n"] for m in reader.poll()] == [4]
+    assert reader.poll() == []  # nothing taken after 4: nothing to wait for
 
 
 def test_mailbox_delivers_in_order_to_every_reader():

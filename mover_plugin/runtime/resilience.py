@@ -396,13 +396,13 @@ class ResilienceRuntime:
         the leaver exits and the others move to the next generation with the joiner in its
         place; if it cancels it (a process was lost before), all go on in this one."""
         started = time.time()
-        self.control.post("boundary", rank=self.rank, iteration=self._applied, time=started,
-                          step_s=step_s)
         preparation, self._next_groups = self._next_groups, None
         if preparation is None:
             raise LaunchError(f"rank {self.rank}: a planned switch without a migration "
                               "prepared")
         generation = preparation.generation
+        self.control.post("boundary", rank=self.rank, iteration=self._applied, time=started,
+                          step_s=step_s, migration=generation)
         plan = self.control.wait_for_plan(generation)
         leaving = any(item["rank"] == self.rank for item in plan["replacements"])
         hand_over = self._start_hand_over(generation) if leaving else None
@@ -486,7 +486,8 @@ class ResilienceRuntime:
                            str(error)[:120])
             return
         control.post("left", rank=self.rank, role="leaver", time=time.time(),
-                     handover_s=time.time() - started, transfer_s=time.time() - opened)
+                     migration=generation, handover_s=time.time() - started,
+                     transfer_s=time.time() - opened)
 
     def _exit_handed_over(self, generation: int) -> None:
         """The leaver's last act once the switch is committed."""
