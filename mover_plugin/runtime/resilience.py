@@ -142,6 +142,7 @@ class ResilienceRuntime:
         self._await_standbys = False
         """Set until the first step of a rank that started with the job."""
 
+
     # -- what an adapter provides ---------------------------------------------------------
 
     def _init_framework_groups(self) -> None:
@@ -415,8 +416,9 @@ class ResilienceRuntime:
                            "generation %d", self.rank, generation, self.generation)
             return
         if hand_over is not None:
-            hand_over.join()
-            self._exit_handed_over(generation)
+            thread, delivered = hand_over
+            thread.join()
+            self._exit_after_hand_over(generation, delivered.is_set())
         delta = preparation.result()
         self._advance_generation(generation)
         # The step that just ended is reported in the old generation; the next one in this.
@@ -458,21 +460,22 @@ class ResilienceRuntime:
         self._after_switch()
         return count
 
-    def _start_hand_over(self, generation: int) -> threading.Thread:
+    def _start_hand_over(self, generation: int) -> tuple[threading.Thread, threading.Event]:
         """The leaver's end, in a thread of its own while the main thread waits for the
         controller's decision: this iteration's state goes to the joiner. The thread uses a
         store connection of its own, and a hand-over that cannot complete (its joiner was lost,
-        even before connecting) never holds up a cancelled migration."""
+        even before connecting) never holds up a cancelled migration. Returns the thread and
+        an event it sets once the state was delivered."""
         tensors, blob = self._state_tensors(), self._blob(self._applied)
-        control = self.control.clone()
+        control, delivered = self.control.clone(), threading.Event()
         thread = threading.Thread(target=self._hand_over,
-                                  args=(control, generation, tensors, blob),
+                                  args=(control, generation, tensors, blob, delivered),
                                   name="mover-handover", daemon=True)
         thread.start()
-        return thread
+        return thread, delivered
 
     def _hand_over(self, control: ControlClient, generation: int, tensors: list[torch.Tensor],
-                   blob: dict[str, Any]) -> None:
+                   blob: dict[str, Any], delivered: threading.Event) -> None:
         started = time.time()
         try:
             group = open_handover(control.store, generation, self.rank, source=True,
@@ -485,18 +488,25 @@ class ResilienceRuntime:
             logger.warning("rank %d: the hand-over to its joiner failed (%s)", self.rank,
                            str(error)[:120])
             return
+        delivered.set()
         control.post("left", rank=self.rank, role="leaver", time=time.time(),
                      migration=generation, handover_s=time.time() - started,
                      transfer_s=time.time() - opened)
 
-    def _exit_handed_over(self, generation: int) -> None:
-        """The leaver's last act once the switch is committed."""
-        logger.warning("rank %d handed over to its replacement in generation %d; exiting",
-                       self.rank, generation)
+    def _exit_after_hand_over(self, generation: int, delivered: bool) -> None:
+        """The leaver's last act once the switch is committed: exits with status 0, or 1 if
+        its state did not reach the joiner (the controller then recovers the rank from a
+        data-parallel twin)."""
+        if not delivered:
+            logger.warning("rank %d could not hand over to its replacement in generation %d; "
+                           "exiting", self.rank, generation)
+        else:
+            logger.warning("rank %d handed over to its replacement in generation %d; exiting",
+                           self.rank, generation)
         self.finish()
         self._teardown_framework()
         dist.destroy_process_group()
-        exit_now()
+        exit_now(status=0 if delivered else 1)
 
     # -- state transfer -------------------------------------------------------------------
 
