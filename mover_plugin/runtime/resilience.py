@@ -349,8 +349,8 @@ class ResilienceRuntime:
         """The WORLD all-reduce every rank enters only with complete gradients."""
         assert self._step is not None, "the optimizer was stepped outside run_step"
         self._step.reached_commit = True
-        if self._fault == f"commit={self.rank}":
-            self._die_before_switch_vote()
+        if self._fault is not None and self._fault == f"commit={self.rank}":
+            self._die_before_switch_vote()  # an injected fault; never in a plain step
         votes = torch.tensor([1.0, 1.0 if self._switch_requested else 0.0])
         dist.all_reduce(votes)
         self._step.passed_commit = True
