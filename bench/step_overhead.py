@@ -20,9 +20,19 @@ compares the two runs of each repeat (run next to each other, order alternating)
 mean difference with its one-sided 95 % upper confidence bound: the goal counts as shown only
 when that bound is <= +1 %.
 
+The two modes run one after the other, never at the same time: two jobs sharing the cores do
+not get equal shares of them (measured here, TP1 x PP1 x DP2 each: the plain job's workers used
+~85 % of a core each, the ``--resilient`` job's ~30 %, whose steps took 2.2x longer; the likely
+cause is the threads' wake-up pattern: a plain worker has ~20 gloo transport threads, one per
+group, each waking ~125 times a second, a resilient one ~4), so simultaneous runs would measure
+the scheduler, not the runtime. The speed of a core here also drifts by up to 2x over seconds
+(a fixed loop pinned to one core), which is what the alternating order and the paired bound
+absorb.
+
 Usage::
 
     python bench/step_overhead.py --repeats 5 --train-iters 40
+    python bench/step_overhead.py --repeats 12 --train-iters 200 --nproc 2 --pp 1  # ~16 min
 """
 
 from __future__ import annotations

@@ -187,6 +187,48 @@ def test_a_world_of_one_in_process_aborts_and_rebuilds(clean_alarm: None) -> Non
             dist.destroy_process_group()
 
 
+class _RecordingBackend:
+    """A real gloo backend that records which of its methods the group called."""
+
+    def __init__(self, gloo: Any) -> None:
+        self.gloo = gloo
+        self.calls: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        self.calls.append(name)
+        return getattr(self.gloo, name)
+
+
+def test_a_group_of_one_completes_its_reductions_without_the_backend(clean_alarm: None) -> None:
+    from torch._C._distributed_c10d import _make_nccl_premul_sum
+
+    register_backend()
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    init_mover_group(store, "gen0", 0, 1)
+    try:
+        alone = dist.new_group([0])
+        backend = _RecordingBackend(alone._gloo)
+        alone._gloo = backend
+        tensor = torch.tensor([1.0, -2.0])
+        for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.MAX):
+            dist.all_reduce(tensor, op=op, group=alone)
+        work = dist.all_reduce(tensor, group=alone, async_op=True)
+        assert work.is_completed() and work.wait() and work.get_future().wait() == [tensor]
+        assert backend.calls == [] and torch.equal(tensor, torch.tensor([1.0, -2.0]))
+        with pytest.raises(ValueError, match="no communicator for meta tensors"):
+            dist.all_reduce(torch.empty(1, device="meta"), group=alone)
+        # A pre-multiplied sum scales even alone: it goes to the backend (gloo refuses it).
+        with pytest.raises(RuntimeError, match="PREMUL_SUM"):
+            dist.all_reduce(tensor, op=_make_nccl_premul_sum(2.0), group=alone)
+        assert backend.calls == ["allreduce"]
+        raise_alarm("test alarm")
+        with pytest.raises(CollectiveAborted, match="test alarm"):
+            dist.all_reduce(tensor, group=alone)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 # --------------------------------------------------------------------------- ranks as processes
 
 

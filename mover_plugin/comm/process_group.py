@@ -11,7 +11,8 @@ The Python functions of ``torch.distributed`` call its methods (``allreduce``,
 
 Each operation is handed to a real backend — ``ProcessGroupGloo`` for CPU tensors, and on a
 machine with CUDA ``ProcessGroupNCCL`` for CUDA tensors — and its work is wrapped in an
-:class:`~mover_plugin.comm.work.AbortableWork`. A group is *aborted* once the process-wide
+:class:`~mover_plugin.comm.work.AbortableWork`; an all-reduce in a group of one (its result is
+its input, unless it is a pre-multiplied sum) completes without the backend. A group is *aborted* once the process-wide
 alarm has been raised after its creation (or :meth:`MoverProcessGroup.abort` was called): new
 operations raise :class:`~mover_plugin.comm.errors.CollectiveAborted` at once, waits end with
 it, NCCL communicators are aborted, and :meth:`MoverProcessGroup.shutdown` (called by
@@ -47,7 +48,7 @@ from torch.distributed.distributed_c10d import (
 from mover_plugin.comm import alarm, retired
 from mover_plugin.comm.errors import CollectiveAborted, CommAborted
 from mover_plugin.comm.named import NamedProcessGroup
-from mover_plugin.comm.work import AbortableWork, observe
+from mover_plugin.comm.work import AbortableWork, completed, observe
 
 logger = logging.getLogger(__name__)
 
@@ -391,12 +392,28 @@ class MoverProcessGroup(NamedProcessGroup):
             self._link.inflight.extend(pending)
         return AbortableWork(self, pending, op, stream_ordered=stream_ordered)
 
+    def _complete_alone(self, op: str, tensors: list[torch.Tensor]) -> AbortableWork:
+        """``op`` in a group of one, where its result is its input: checked like any
+        operation, completed without the backend (Megatron issues several such all-reduces per
+        micro-batch on its size-one tensor-parallel group; through gloo each costs ~70 us
+        here)."""
+        self.check_usable(op)
+        self._backend_for(tensors[0] if tensors else None, op)
+        return AbortableWork(self, [completed(tensors)], op, stream_ordered=False)
+
+    def _alone_is_identity(self, op: Any) -> bool:
+        """Whether a reduction with ``op`` leaves the tensors as they are here: a group of one
+        and any operation but a pre-multiplied sum."""
+        return self.size() == 1 and op != ReduceOp.PREMUL_SUM
+
     # ------------------------------------------------------------------ collectives
 
     def allreduce(self, tensors: Any, opts: Any = None) -> AbortableWork:  # type: ignore[override]
         if isinstance(tensors, torch.Tensor):
             tensors = [tensors]
         opts = _allreduce_options(opts)
+        if self._alone_is_identity(opts.reduceOp):
+            return self._complete_alone("allreduce", tensors)
         return self._issue("allreduce", tensors[0], lambda b: [b.allreduce(tensors, opts)])
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor],  # type: ignore[override]
@@ -405,6 +422,8 @@ class MoverProcessGroup(NamedProcessGroup):
         single.reduceOp = opts.reduceOp if opts is not None else ReduceOp.SUM
         if opts is not None:
             single.timeout = opts.timeout
+        if self._alone_is_identity(single.reduceOp):
+            return self._complete_alone("allreduce_coalesced", tensors)
         return self._issue("allreduce_coalesced", tensors[0] if tensors else None,
                            lambda b: [b.allreduce([t], single) for t in tensors])
 

@@ -112,6 +112,19 @@ class _Observed:
     def error(self) -> Optional[BaseException]:
         return self.work.exception() if self.done() else None
 
+    def outputs(self) -> list[torch.Tensor]:
+        """The operation's output tensors (once done)."""
+        return self.work.result()
+
+    def future_outputs(self) -> list[torch.Tensor]:
+        """The value the backend's future completed with (empty where there is no future,
+        as for gloo's point-to-point works)."""
+        try:
+            value = self.work.get_future().value()
+        except RuntimeError:
+            return []
+        return value if isinstance(value, list) else [value]
+
     recheck_s = _RECHECK_S
     """How long :meth:`block` may wait before the waiter checks its group again."""
 
@@ -170,6 +183,34 @@ class _Watched(_Observed):
 
     def error(self) -> Optional[BaseException]:
         return self._error
+
+
+class _Completed(_Observed):
+    """An operation that needs no communication (an all-reduce in a group of one): complete
+    from the start, its outputs are its inputs, there is no backend work."""
+
+    def __init__(self, outputs: list[torch.Tensor]) -> None:
+        super().__init__(None)  # type: ignore[arg-type]
+        self._outputs = outputs
+
+    def done(self) -> bool:
+        return True
+
+    def finish(self) -> None:
+        return None
+
+    def error(self) -> Optional[BaseException]:
+        return None
+
+    def outputs(self) -> list[torch.Tensor]:
+        return self._outputs
+
+    future_outputs = outputs
+
+
+def completed(outputs: list[torch.Tensor]) -> _Observed:
+    """The observer of an operation that completed without communicating."""
+    return _Completed(outputs)
 
 
 def observe(work: dist.Work, *, stream_ordered: bool, point_to_point: bool = False) -> _Observed:
@@ -240,21 +281,11 @@ class AbortableWork(dist.Work):
 
     def result(self) -> list[torch.Tensor]:
         """The output tensors of the backend works, in order."""
-        tensors: list[torch.Tensor] = []
-        for item in self._pending:
-            tensors.extend(item.work.result())
-        return tensors
+        return [tensor for item in self._pending for tensor in item.outputs()]
 
     def _values(self) -> list[torch.Tensor]:
         """The backend futures' values (their output tensors), for :meth:`get_future`."""
-        values: list[torch.Tensor] = []
-        for item in self._pending:
-            try:
-                value = item.work.get_future().value()
-            except RuntimeError:  # no future (p2p): nothing to hand on
-                continue
-            values.extend(value if isinstance(value, list) else [value])
-        return values
+        return [tensor for item in self._pending for tensor in item.future_outputs()]
 
     def synchronize(self) -> None:
         self.wait()
