@@ -12,10 +12,11 @@ The Python functions of ``torch.distributed`` call its methods (``allreduce``,
 Each operation is handed to a real backend — ``ProcessGroupGloo`` for CPU tensors, and on a
 machine with CUDA ``ProcessGroupNCCL`` for CUDA tensors — and its work is wrapped in an
 :class:`~mover_plugin.comm.work.AbortableWork`; an all-reduce in a group of one (its result is
-its input, unless it is a pre-multiplied sum) completes without the backend. A group is *aborted* once the process-wide
-alarm has been raised after its creation (or :meth:`MoverProcessGroup.abort` was called): new
-operations raise :class:`~mover_plugin.comm.errors.CollectiveAborted` at once, waits end with
-it, NCCL communicators are aborted, and :meth:`MoverProcessGroup.shutdown` (called by
+its input, unless it is a pre-multiplied sum) completes without the backend. A group is
+*aborted* once the process-wide alarm has been raised after its creation (or
+:meth:`MoverProcessGroup.abort` was called): new operations raise
+:class:`~mover_plugin.comm.errors.CollectiveAborted` at once, waits end with it, NCCL
+communicators are aborted, and :meth:`MoverProcessGroup.shutdown` (called by
 ``destroy_process_group``) returns at once, handing backends with pending operations to
 :mod:`mover_plugin.comm.retired` instead of joining their threads.
 """
