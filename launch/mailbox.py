@@ -44,20 +44,20 @@ class Mailbox:
     def poll(self) -> list[dict[str, Any]]:
         """Returns the messages posted since the last poll, in order."""
         messages = []
-        while True:
+        posted = self._store.add(f"{self._name}/count", 0)
+        while self._next <= posted:
             key = f"{self._name}/{self._next}"
             if self._store.check([key]):
                 messages.append(json.loads(self._store.get(key)))
                 self._next += 1
                 self._missing_since = None
             elif not self._step_over_hole():
-                return messages
+                break
+        return messages
 
     def _step_over_hole(self) -> bool:
-        """Whether message ``_next`` is a hole stepped over now: its number was taken
-        :data:`HOLE_TIMEOUT_S` ago or more and it was never written."""
-        if self._store.add(f"{self._name}/count", 0) < self._next:
-            return False  # nothing posted after the last message read
+        """Whether message ``_next``, whose number was taken but which is not written, is a
+        hole stepped over now: it has been missing for :data:`HOLE_TIMEOUT_S` or more."""
         now = time.monotonic()
         if self._missing_since is None:
             self._missing_since = now

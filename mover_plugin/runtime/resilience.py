@@ -142,7 +142,6 @@ class ResilienceRuntime:
         self._await_standbys = False
         """Set until the first step of a rank that started with the job."""
 
-
     # -- what an adapter provides ---------------------------------------------------------
 
     def _init_framework_groups(self) -> None:
@@ -497,12 +496,8 @@ class ResilienceRuntime:
         """The leaver's last act once the switch is committed: exits with status 0, or 1 if
         its state did not reach the joiner (the controller then recovers the rank from a
         data-parallel twin)."""
-        if not delivered:
-            logger.warning("rank %d could not hand over to its replacement in generation %d; "
-                           "exiting", self.rank, generation)
-        else:
-            logger.warning("rank %d handed over to its replacement in generation %d; exiting",
-                           self.rank, generation)
+        logger.warning("rank %d %s to its replacement in generation %d; exiting", self.rank,
+                       "handed over" if delivered else "could not hand over", generation)
         self.finish()
         self._teardown_framework()
         dist.destroy_process_group()
