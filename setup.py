@@ -17,17 +17,19 @@ setup(
     ),
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
-    python_requires=">=3.10",
+    python_requires=">=3.12",
     packages=_CORE_PACKAGES + ["mover_plugin.patches", "mover_plugin.launch"],
     package_dir={
         "mover_plugin.patches": "patches",
         "mover_plugin.launch": "launch",
     },
     package_data={"mover_plugin": ["data/corpus/*.jsonl"]},
-    # Any torch from 2.4 on; the 2.13.0 CPU wheel satisfies this without a download.
+    # Any torch from 2.4 on; an installed torch 2.13.0 (CPU or CUDA build) satisfies it.
     install_requires=["torch>=2.4", "numpy", "packaging"],
     extras_require={
-        "megatron": ["megatron-core>=0.16,<0.17"],
+        "megatron": ["megatron-core>=0.19.2,<0.20"],
+        # What megatron.training (shipped in the megatron-core wheel) imports.
+        "megatron-training": ["megatron-core[mlm]>=0.19.2,<0.20"],
         "deepspeed": ["deepspeed>=0.19.8,<0.20"],
         "test": ["pytest>=8"],
     },

@@ -1,11 +1,13 @@
 """Megatron-Core shims for machines without CUDA: the ``megatron-cpu`` patch group.
 
-Megatron-Core 0.16 runs on CPU with the gloo backend except for a few hard-coded CUDA
+Megatron-Core 0.19 runs on CPU with the gloo backend except for a few hard-coded CUDA
 assumptions: CUDA RNG calls, ``torch.cuda.current_device()`` used as a device, tensors created
 with ``device="cuda"``, ``torch.cuda.synchronize()``, CUDA streams, and ``'torch.cuda.*Tensor'``
 type-string checks. Each patch below removes one of them with the smallest change, and names
-the Megatron call site that needs it. Every patch is applied only while
-``torch.cuda.is_available()`` is False, and only to megatron-core ``>=0.16.0,<0.17``.
+the Megatron call site that needs it (each checked on 0.19.2: without the patch, training
+TP1 x PP2 x DP2 on CPU fails at that site). Every patch is applied only while
+``torch.cuda.is_available()`` is False (a CPU build of torch, or a CUDA build on a machine
+without a GPU), and only to megatron-core ``>=0.19.0,<0.20``.
 
 Importing this module registers the patches; it neither applies them nor imports Megatron.
 Megatron modules are imported inside the apply functions. Use::
@@ -39,7 +41,7 @@ GROUP = "megatron-cpu"
 """Name of the group holding every patch of this module."""
 
 DISTRIBUTION = "megatron-core"
-TESTED_VERSIONS = ">=0.16.0,<0.17"
+TESTED_VERSIONS = ">=0.19.0,<0.20"
 
 RNG_WARNING = "CPU RNG state changed within GPU RNG context"
 """Warning that ``CudaRNGStatesTracker.fork`` logs whenever work inside it used the CPU RNG."""
@@ -224,8 +226,8 @@ def apply_factory() -> Undo:
     Needed by ``optimizer.optimizer.FP32Optimizer.__init__``
     (``torch.tensor([1.0], device='cuda')``), the schedules in
     ``pipeline_parallel.schedules`` (``torch.zeros([], dtype=torch.int, device="cuda")``),
-    ``optimizer.clip_grads.get_grad_norm_fp32`` and ``transformer.utils.get_default_causal_mask``
-    (``torch.ones(..., device="cuda")``). ``Tensor.cuda()`` is called by
+    ``optimizer.clip_grads.get_grad_norm_fp32``, ``MegatronOptimizer.has_grad_norm_group``
+    (0.19) and ``transformer.utils.get_default_causal_mask`` (``torch.ones(..., device="cuda")``). ``Tensor.cuda()`` is called by
     ``LanguageModule.setup_embeddings_and_output_layer`` (tied embeddings with pipeline
     parallelism) and ``MegatronOptimizer.restore_from_cpu``.
     """
@@ -301,11 +303,12 @@ def _use_stream(stream: object) -> contextlib.AbstractContextManager[None]:
 def apply_stream() -> Undo:
     """Replace the CUDA stream API with synchronous stand-ins.
 
-    Needed by ``DistributedDataParallel.__init__`` (``torch.cuda.Stream(...)``) and
-    ``_ParamAndGradBucketGroup.start_grad_sync`` / ``finish_grad_sync``
-    (``torch.cuda.stream``, ``default_stream().wait_stream``) when
-    ``num_distributed_optimizer_instances > 1``, and by Megatron-LM's ``training.get_model``.
-    GPTModel + DDP + optimizer + schedules with the default DDP config do not reach it.
+    Needed by ``_ParamAndGradBucketGroup.start_grad_sync``, which in 0.19 waits on
+    ``torch.cuda.current_stream()`` for events of CUDA-graph replays before every gradient
+    reduction (any DDP config); also by ``DistributedDataParallel.__init__``
+    (``torch.cuda.Stream(...)``) and ``finish_grad_sync`` (``torch.cuda.stream``,
+    ``default_stream().wait_stream``) when ``num_distributed_optimizer_instances > 1``, and by
+    Megatron-LM's ``training.get_model``.
     """
     swap = AttributeSwap()
     swap.set_attr(torch.cuda, "Stream", CpuStream)
@@ -354,7 +357,8 @@ def apply_clip() -> Undo:
     ``clip_grad > 0``), which calls ``optimizer.optimizer.clip_grad_by_total_norm_fp32``; that
     asserts ``param.grad.type() == 'torch.cuda.FloatTensor'``. Both the name bound in
     ``megatron.core.optimizer.optimizer`` and the one in ``megatron.core.optimizer.clip_grads``
-    are replaced.
+    are replaced. While ``typestr`` is applied that assertion holds anyway; this patch keeps
+    clipping independent of that type-string stand-in (and of Apex's fused scaling).
     """
     import megatron.core.optimizer.clip_grads as clip_grads
     import megatron.core.optimizer.optimizer as optimizer

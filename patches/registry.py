@@ -52,7 +52,7 @@ class Patch:
         name: unique name in its registry, e.g. ``"rng"``.
         distribution: the installed distribution it targets, e.g. ``"megatron-core"``.
         tested_versions: PEP 440 specifier of the versions it was written and tested for,
-            e.g. ``">=0.16.0,<0.17"``.
+            e.g. ``">=0.19.0,<0.20"``.
         description: one line saying what the patch changes.
         apply: changes the framework and returns the :data:`Undo` for that change.
         condition: the patch is applied only when this returns True; otherwise it is skipped.

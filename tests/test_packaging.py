@@ -36,3 +36,16 @@ def test_console_script_is_installed():
     result = subprocess.run([str(launcher), "--help"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0
     assert "--nproc-per-node" in result.stdout and "--inject-failure" in result.stdout
+
+
+def test_the_megatron_training_extra_installs_what_megatron_training_imports(tmp_path):
+    # megatron-core's wheel carries megatron.training; the [megatron-training] extra brings
+    # what it imports. Its training loop's hook points are module globals looked up at call time.
+    result = run_python(
+        "import warnings; warnings.simplefilter('ignore'); "
+        "import megatron.training.training as t, megatron.training.arguments as a; "
+        "print(callable(t.pretrain), callable(t.train_step), callable(a.parse_and_validate_args))",
+        tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split()[-3:] == ["True", "True", "True"]

@@ -243,7 +243,7 @@ def test_megatron_cpu_group_is_registered_with_its_range() -> None:
     patches = {p.name: p for p in available_patches()}
     for name in group:
         assert patches[name].distribution == "megatron-core"
-        assert patches[name].tested_versions == ">=0.16.0,<0.17"
+        assert patches[name].tested_versions == ">=0.19.0,<0.20"
         assert patches[name].description and patches[name].apply.__doc__
         assert patches[name].condition() is (not torch.cuda.is_available())
 
@@ -509,5 +509,6 @@ def test_megatron_cpu_group_trains_deterministically_and_reverts() -> None:
     assert changed == []
     assert tracker_logger.filters == filters_before and tracker_logger.level == level_before
     assert "megatron.core.transformer.custom_layers.batch_invariant_kernels" not in sys.modules
-    with pytest.raises(AssertionError, match="not compiled with CUDA"):
+    # A CPU build of torch asserts; a CUDA build on a machine without a GPU finds no driver.
+    with pytest.raises((AssertionError, RuntimeError), match="not compiled with CUDA|NVIDIA driver"):
         torch.cuda.current_device()

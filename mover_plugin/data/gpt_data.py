@@ -6,7 +6,7 @@ in Megatron-Core's ``GPTDataset``: all documents go to the training split, sampl
 in memory from the seed alone.
 
 The dataset is constructed directly rather than through ``BlendedMegatronDatasetBuilder``. In
-megatron-core 0.16 that builder, once ``torch.distributed`` is initialized, builds on rank 0
+megatron-core 0.16 to 0.19 that builder, once ``torch.distributed`` is initialized, builds on rank 0
 first and then calls ``torch.distributed.barrier()`` on the default group, so it hangs unless
 every rank of the job calls it at the same point. Constructing ``GPTDataset`` directly makes no
 collective call: each process that needs data builds the same dataset on its own, whether or not

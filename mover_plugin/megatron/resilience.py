@@ -244,3 +244,27 @@ class MegatronResilience(ResilienceRuntime):
     def _load_state_blob(self, state: dict[str, Any]) -> None:
         self._optimizer.load_state_dict(state["optimizer"])
         self._scheduler.load_state_dict(state["scheduler"])
+        forget_agreed_flags(self._optimizer)
+
+    def _after_switch(self) -> None:
+        forget_agreed_flags(self._optimizer)
+
+
+AGREED_FLAGS_ATTRIBUTE = "_has_grad_norm_group_cache"
+"""Where Megatron-Core's optimizers cache a flag agreed on by a collective: whether any rank
+of the optimizer's gradient-statistics group holds parameters of a separate grad-norm group.
+It is computed with an all-reduce on the first ``step()`` and never again."""
+
+
+def forget_agreed_flags(optimizer: Any) -> None:
+    """Drops the flags an optimizer (and each optimizer it chains) agreed on with its peers.
+
+    Megatron-Core 0.19 runs the all-reduce behind such a flag only while the flag is not
+    cached, so a rank that has it and one that has not (a joiner, or a standby that computed
+    it alone in the sandbox) issue different collectives in the same step, and the step hangs.
+    Every rank of a new generation forgets them (the stayers once their groups are switched,
+    a joiner once its state is loaded): all compute them again together in the next step.
+    """
+    for item in [optimizer, *getattr(optimizer, "chained_optimizers", ())]:
+        if getattr(item, AGREED_FLAGS_ATTRIBUTE, None) is not None:
+            setattr(item, AGREED_FLAGS_ATTRIBUTE, None)
