@@ -9,7 +9,10 @@ operation) under the next generation's store namespace, keep the others
 (:mod:`mover_plugin.comm.delta`), rewrite every cached reference to a rebuilt group in
 ``parallel_state``, the model, DDP and optimizer, agree on which side of the optimizer update
 each of them is, and redo the dropped iteration with the same micro-batches and the RNG states
-saved at its start. A standby process, started and warmed up beforehand (every pipeline role
+saved at its start. Every rank of the new generation, the newcomer included, also forgets the
+flags its optimizer agreed on with its peers by a collective and caches (Megatron-Core 0.19's
+grad-norm groups, :func:`forget_agreed_flags`), so that all of them agree on them again in the
+same step. A standby process, started and warmed up beforehand (every pipeline role
 played in a sandbox, :mod:`mover_plugin.megatron.standby`), takes the lost global rank: it
 adopts the model it kept from its warm-up when the rank plays that role, or builds the rank's
 model with its collectives kept local, receives parameters, optimizer and scheduler state, RNG
