@@ -227,7 +227,8 @@ def apply_factory() -> Undo:
     (``torch.tensor([1.0], device='cuda')``), the schedules in
     ``pipeline_parallel.schedules`` (``torch.zeros([], dtype=torch.int, device="cuda")``),
     ``optimizer.clip_grads.get_grad_norm_fp32``, ``MegatronOptimizer.has_grad_norm_group``
-    (0.19) and ``transformer.utils.get_default_causal_mask`` (``torch.ones(..., device="cuda")``). ``Tensor.cuda()`` is called by
+    (0.19) and ``transformer.utils.get_default_causal_mask`` (``torch.ones(..., device="cuda")``).
+    ``Tensor.cuda()`` is called by
     ``LanguageModule.setup_embeddings_and_output_layer`` (tied embeddings with pipeline
     parallelism) and ``MegatronOptimizer.restore_from_cpu``.
     """

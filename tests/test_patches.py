@@ -510,5 +510,6 @@ def test_megatron_cpu_group_trains_deterministically_and_reverts() -> None:
     assert tracker_logger.filters == filters_before and tracker_logger.level == level_before
     assert "megatron.core.transformer.custom_layers.batch_invariant_kernels" not in sys.modules
     # A CPU build of torch asserts; a CUDA build on a machine without a GPU finds no driver.
-    with pytest.raises((AssertionError, RuntimeError), match="not compiled with CUDA|NVIDIA driver"):
+    with pytest.raises((AssertionError, RuntimeError),
+                       match="not compiled with CUDA|NVIDIA driver"):
         torch.cuda.current_device()

@@ -4,8 +4,8 @@ Token ids 0..255 are the UTF-8 bytes of the text; id 256 marks the end of a docu
 vocabulary therefore has 257 entries, small enough for a tiny model and for ``uint16`` token
 files.
 
-``megatron.core.datasets.gpt_dataset.GPTDatasetConfig`` (megatron-core 0.16 to 0.19) does not type-check
-its tokenizer; the datasets only read ``vocab_size``, ``eod``, ``pad`` and
+``megatron.core.datasets.gpt_dataset.GPTDatasetConfig`` (megatron-core 0.16 to 0.19) does not
+type-check its tokenizer; the datasets only read ``vocab_size``, ``eod``, ``pad`` and
 ``unique_identifiers`` (and optionally ``eos`` and ``special_tokens_dict``). :class:`ByteTokenizer`
 provides those and the usual ``tokenize``/``detokenize`` pair without subclassing a Megatron
 class, so this module never imports Megatron.
