@@ -38,24 +38,24 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import check_same_digest, interleaved, repeats_argument
-from mover_plugin.testing import run_command
+from common import (CRASH_PHASES, WORKER_COSTS, check_same_digest, interleaved_in, median_of,
+                    percent_more, print_downtime_medians, print_phase_medians, repeats_argument)
+from jobs import (EXAMPLES, checkpoint_flags, mover_launch_command, params_digest, run_job,
+                  summary_with_digest)
 
-ROOT = Path(__file__).resolve().parents[1]
-EXAMPLE = str(ROOT / "examples" / "ds_pretrain_gpt.py")
+EXAMPLE = str(EXAMPLES / "ds_pretrain_gpt.py")
 STEPS = 10
 FAILED_RANK, FAILED_STEP = 3, 6
 STEP_LINE = re.compile(r"^step\s+(\d+)/")
 
 
 def script_flags(folder: Path, config: Path) -> list[str]:
-    checkpoints = str(folder / "ckpt")
     return [EXAMPLE, "--train-iters", str(STEPS), "--deepspeed_config", str(config),
-            "--save", checkpoints, "--load", checkpoints, "--save-interval", "1"]
+            *checkpoint_flags(folder)]
 
 
 def write_config(out: Path, name: str, block: dict | None) -> Path:
-    config = json.loads((ROOT / "examples" / "ds_config.json").read_text())
+    config = json.loads((EXAMPLES / "ds_config.json").read_text())
     if block is not None:
         config["resilience"] = block
     path = out / f"{name}.json"
@@ -63,19 +63,11 @@ def write_config(out: Path, name: str, block: dict | None) -> Path:
     return path
 
 
-def run_mover(out: Path, name: str, config: Path, failure: bool) -> dict:
-    folder = out / name
-    folder.mkdir(parents=True)
-    command = [sys.executable, "-m", "mover_plugin.launch.cli", "--standalone", "--num_gpus",
-               "4", "--summary", str(folder / "summary.json"), "--event-log",
-               str(folder / "events.jsonl")]
-    if failure:
-        command += ["--inject-failure", f"{FAILED_RANK}:{FAILED_STEP}"]
-    result = run_command([*command, *script_flags(folder, config)], timeout_s=600)
-    if result.returncode != 0:
-        raise SystemExit(f"{name} failed:\n{result.output[-3000:]}")
-    summary = json.loads((folder / "summary.json").read_text())
-    summary["digest"] = result.lines_starting("PARAMS_DIGEST")[0].split()[1]
+def run_mover(folder: Path, config: Path, failure: bool) -> dict:
+    options = ["--inject-failure", f"{FAILED_RANK}:{FAILED_STEP}"] if failure else []
+    result = run_job([*mover_launch_command(folder, 4, *options), *script_flags(folder, config)],
+                     f"{folder.name} failed")
+    summary = summary_with_digest(folder, result)
     peer = result.lines_starting("PEER_COPY_MB")
     summary["peer_copy_mb"] = peer[0].split()[1] if peer else None
     (interruption,) = summary["interruptions"] or [None]
@@ -83,10 +75,8 @@ def run_mover(out: Path, name: str, config: Path, failure: bool) -> dict:
     return summary
 
 
-def run_torchrun(out: Path, name: str, config: Path) -> dict:
+def run_torchrun(folder: Path, config: Path) -> dict:
     """torchrun with one restart; the SIGKILL goes to rank 3 once step 5 is reported."""
-    folder = out / name
-    folder.mkdir(parents=True)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc-per-node", "4", "--max-restarts", "1", *script_flags(folder, config)]
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
@@ -107,13 +97,12 @@ def run_torchrun(out: Path, name: str, config: Path) -> dict:
     process.wait(timeout=600)
     text = "".join(output)
     if process.returncode != 0 or killed_at is None:
-        raise SystemExit(f"{name} failed (rc {process.returncode}):\n{text[-3000:]}")
+        raise SystemExit(f"{folder.name} failed (rc {process.returncode}):\n{text[-3000:]}")
     step_times = [b[1] - a[1] for a, b in zip(arrivals, arrivals[1:])
                   if b[0] == a[0] + 1 and a[1] < killed_at]
     resumed = next(t for step, t in arrivals if t > killed_at)
-    digest = [l for l in text.splitlines() if l.startswith("PARAMS_DIGEST")][0].split()[1]
     return {"downtime_s": resumed - killed_at - statistics.median(step_times),
-            "digest": digest}
+            "digest": params_digest(text)}
 
 
 def worker_pid(root: int, rank: int) -> int:
@@ -141,22 +130,22 @@ def worker_pid(root: int, rank: int) -> int:
 
 def main() -> None:
     args = repeats_argument(__doc__, default=3)
-    with tempfile.TemporaryDirectory(prefix="bench-ds-") as folder:
-        out = Path(folder)
+    with tempfile.TemporaryDirectory(prefix="bench-ds-") as tmp:
+        out = Path(tmp)
         configs = {"resilient": write_config(out, "resilient", {"peer_copy": True}),
                    "no-copy": write_config(out, "no-copy", {"peer_copy": False}),
                    "plain": write_config(out, "plain", None)}
         jobs = {
-            "resilient": lambda name: run_mover(out, name, configs["resilient"], failure=True),
-            "torchrun": lambda name: run_torchrun(out, name, configs["plain"]),
-            "restart": lambda name: run_mover(out, name, configs["plain"], failure=True),
-            "clean-peer-copy": lambda name: run_mover(out, name, configs["resilient"],
+            "resilient": lambda folder: run_mover(folder, configs["resilient"], failure=True),
+            "torchrun": lambda folder: run_torchrun(folder, configs["plain"]),
+            "restart": lambda folder: run_mover(folder, configs["plain"], failure=True),
+            "clean-peer-copy": lambda folder: run_mover(folder, configs["resilient"],
+                                                        failure=False),
+            "clean-no-copy": lambda folder: run_mover(folder, configs["no-copy"],
                                                       failure=False),
-            "clean-no-copy": lambda name: run_mover(out, name, configs["no-copy"],
-                                                    failure=False),
         }
-        runs = interleaved(list(jobs), args.repeats,
-                           lambda mode, repeat: jobs[mode](f"{mode}-{repeat}"), describe)
+        runs = interleaved_in(out, list(jobs), args.repeats,
+                              lambda mode, folder: jobs[mode](folder), describe)
     check_same_digest(runs)
     report(runs)
 
@@ -167,25 +156,17 @@ def describe(result: dict) -> str:
 
 
 def report(runs: dict[str, list[dict]]) -> None:
-    median = {name: statistics.median(r["downtime_s"] for r in runs[name])
-              for name in ("resilient", "torchrun", "restart")}
-    for name, value in median.items():
-        values = ", ".join(f"{r['downtime_s']:.3f}" for r in runs[name])
-        print(f"{name:9s} downtime median {value:7.3f} s ({values})")
+    median = print_downtime_medians({name: [r["downtime_s"] for r in runs[name]]
+                                     for name in ("resilient", "torchrun", "restart")})
     print(f"DOWNTIME_RATIO torchrun/resilient {median['torchrun'] / median['resilient']:.1f}x "
           "(goal >= 20x)")
     print(f"DOWNTIME_RATIO restart/resilient {median['restart'] / median['resilient']:.1f}x")
-    print("resilient phases, seconds after the failure (median):")
-    interruptions = [r["interruptions"][0] for r in runs["resilient"]]
-    for phase in ("detected", "alarm", "left", "switched", "first_step_completed"):
-        values = [i["phases_s"][phase] for i in interruptions if phase in i["phases_s"]]
-        if values:
-            print(f"  {phase:22s} {statistics.median(values):8.3f}")
-    for field, label in (("worker_peak_rss_mb", "worker peak RSS MB"),
-                         ("median_step_time_s", "median step time s")):
-        on = statistics.median(r[field] for r in runs["clean-peer-copy"])
-        off = statistics.median(r[field] for r in runs["clean-no-copy"])
-        print(f"{label}: peer copy off {off:.4f}, on {on:.4f} ({100 * (on / off - 1):+.1f} %)")
+    print_phase_medians("resilient phases, seconds after the failure (median):",
+                        [r["interruptions"][0] for r in runs["resilient"]], CRASH_PHASES)
+    for field, label in WORKER_COSTS:
+        on = median_of(runs["clean-peer-copy"], field)
+        off = median_of(runs["clean-no-copy"], field)
+        print(f"{label}: peer copy off {off:.4f}, on {on:.4f} ({percent_more(on, off):+.1f} %)")
     print(f"PEER_COPY_MB per rank (ranks 0..3): {runs['clean-peer-copy'][0]['peer_copy_mb']}")
 
 

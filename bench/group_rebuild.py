@@ -43,7 +43,6 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import multiprocessing
 import os
 import signal
@@ -56,6 +55,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from common import benchmark_parser
 from mover_plugin.comm import register_backend
 from mover_plugin.comm.delta import install_delta, member_groups, prepare_delta
 from mover_plugin.comm.process_group import MoverProcessGroup
@@ -234,8 +234,7 @@ GOAL_SERIES = "cpu_above_idle"
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=2)
+    parser = benchmark_parser(__doc__, repeats=2)
     parser.add_argument("--world-sizes", type=int, nargs="+", default=list(WORLD_SIZES))
     args = parser.parse_args()
     if args.repeats < 1 or any(w < 2 * PIPELINE or w % PIPELINE for w in args.world_sizes):

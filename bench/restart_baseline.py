@@ -17,60 +17,40 @@ These are the figures the resilient policies must beat. Usage::
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
-import sys
-import time
 from pathlib import Path
 
-from mover_plugin.testing import run_command
-
-ROOT = Path(__file__).resolve().parents[1]
-EXAMPLE = str(ROOT / "examples" / "pretrain_gpt.py")
-MODEL = ["--pipeline-model-parallel-size", "2", "--num-layers", "4", "--hidden-size", "64",
-         "--num-attention-heads", "4", "--seq-length", "64", "--micro-batch-size", "2",
-         "--global-batch-size", "8"]
+from common import (add_out_argument, benchmark_parser, job_folder, joined, new_out_folder,
+                    print_phase_medians)
+from jobs import (GPT_EXAMPLE, checkpoint_flags, gpt_model_flags, mover_launch_command,
+                  run_job, summary_with_digest)
 
 
-def run_job(out: Path, name: str, steps: int, failure: str | None) -> dict:
-    folder = out / name
-    folder.mkdir(parents=True)
-    launcher = [sys.executable, "-m", "mover_plugin.launch.cli", "--standalone",
-                "--nproc-per-node", "4", "--summary", str(folder / "summary.json")]
-    if failure:
-        launcher += ["--inject-failure", failure]
-    ckpt = str(folder / "ckpt")
-    result = run_command(
-        [*launcher, EXAMPLE, *MODEL, "--train-iters", str(steps), "--save", ckpt, "--load", ckpt,
-         "--save-interval", "1"],
-        timeout_s=600,
-    )
-    if result.returncode != 0:
-        raise SystemExit(f"{name} failed:\n{result.output[-3000:]}")
-    summary = json.loads((folder / "summary.json").read_text())
-    digest = result.lines_starting("PARAMS_DIGEST")[0].split()[1]
-    return {"summary": summary, "digest": digest}
+def run_steps(out: Path, name: str, steps: int, failure: str | None) -> dict:
+    folder = job_folder(out, name)
+    options = ["--inject-failure", failure] if failure else []
+    script = [GPT_EXAMPLE, *gpt_model_flags(pipeline=2, layers=4, train_iters=steps),
+              *checkpoint_flags(folder)]
+    result = run_job([*mover_launch_command(folder, 4, *options, event_log=False), *script],
+                     f"{name} failed")
+    return summary_with_digest(folder, result)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser = benchmark_parser(__doc__, repeats=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--failure", default="3:6", help="RANK:STEP[:SIGNAL] to inject")
-    parser.add_argument("--out", default=f"runs/bench-restart-{time.strftime('%Y%m%d-%H%M%S')}")
+    add_out_argument(parser, "bench-restart")
     args = parser.parse_args()
-    out = Path(args.out)
-    if out.exists():
-        raise SystemExit(f"--out {out} exists; give a new folder (nothing is overwritten)")
+    out = new_out_folder(args.out)
     clean_walls, failures = [], []
     for repeat in range(args.repeats):
-        clean = run_job(out, f"clean-{repeat}", args.steps, None)
-        failed = run_job(out, f"failure-{repeat}", args.steps, args.failure)
+        clean = run_steps(out, f"clean-{repeat}", args.steps, None)
+        failed = run_steps(out, f"failure-{repeat}", args.steps, args.failure)
         if failed["digest"] != clean["digest"]:
             raise SystemExit(f"repeat {repeat}: PARAMS_DIGEST differs after the failure")
-        clean_walls.append(clean["summary"]["wall_time_s"])
-        failures.append(failed["summary"])
+        clean_walls.append(clean["wall_time_s"])
+        failures.append(failed)
         print(f"repeat {repeat}: clean {clean_walls[-1]:.2f} s, with failure "
               f"{failures[-1]['wall_time_s']:.2f} s, digests equal", flush=True)
     report(clean_walls, failures)
@@ -83,13 +63,11 @@ def report(clean_walls: list[float], failures: list[dict]) -> None:
     by_summary = [i["downtime_s"] for i in interruptions]
     print(f"\nfailure-free wall time (median of {len(clean_walls)}): {baseline:.2f} s")
     print(f"restart downtime by wall time: median {statistics.median(by_wall):.2f} s "
-          f"(runs: {', '.join(f'{d:.2f}' for d in by_wall)})")
+          f"(runs: {joined(by_wall, '.2f')})")
     print(f"restart downtime by summary:   median {statistics.median(by_summary):.2f} s "
-          f"(runs: {', '.join(f'{d:.2f}' for d in by_summary)})")
-    print("phases, seconds after the failure (median):")
-    for phase in interruptions[0]["phases_s"]:
-        values = [i["phases_s"][phase] for i in interruptions if phase in i["phases_s"]]
-        print(f"  {phase:22s} {statistics.median(values):8.3f}")
+          f"(runs: {joined(by_summary, '.2f')})")
+    print_phase_medians("phases, seconds after the failure (median):", interruptions,
+                        interruptions[0]["phases_s"])
     print(f"RESTART_DOWNTIME_S {statistics.median(by_wall):.3f}")
 
 

@@ -23,42 +23,31 @@ Usage::
 
 from __future__ import annotations
 
-import json
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
-from common import check_same_digest, interleaved, repeats_argument
-from mover_plugin.testing import run_command
+from common import check_same_digest, interleaved_in, repeats_argument
+from jobs import (GPT_EXAMPLE, gpt_model_flags, mover_launch_command, params_digest, read_events,
+                  read_summary, run_job)
 
-ROOT = Path(__file__).resolve().parents[1]
-EXAMPLE = str(ROOT / "examples" / "pretrain_gpt.py")
 WORLD = 6
-MODEL = ["--pipeline-model-parallel-size", "3", "--num-layers", "6", "--hidden-size", "64",
-         "--num-attention-heads", "4", "--seq-length", "64", "--micro-batch-size", "2",
-         "--global-batch-size", "8", "--train-iters", "12"]
+MODEL = gpt_model_flags(pipeline=3, layers=6, train_iters=12)
 FAILURE = "3:8"
 MODES = {"warm": 2, "cold": 0}
 
 
-def run_job(folder: Path, shadow_iterations: int) -> dict:
-    folder.mkdir(parents=True)
-    launcher = [sys.executable, "-m", "mover_plugin.launch.cli", "--standalone",
-                "--nproc-per-node", str(WORLD), "--policy", "resilient", "--standbys", "1",
-                "--inject-failure", FAILURE, "--summary", str(folder / "summary.json"),
-                "--event-log", str(folder / "events.jsonl")]
-    script = [EXAMPLE, *MODEL, "--resilient",
+def run_standby(folder: Path, shadow_iterations: int) -> dict:
+    options = ["--policy", "resilient", "--standbys", "1", "--inject-failure", FAILURE]
+    script = [GPT_EXAMPLE, *MODEL, "--resilient",
               "--resilient-standby-shadow-iterations", str(shadow_iterations)]
-    result = run_command([*launcher, *script], timeout_s=600)
-    if result.returncode != 0:
-        raise SystemExit(f"run failed (shadow iterations {shadow_iterations}):\n"
-                         f"{result.output[-3000:]}")
-    summary = json.loads((folder / "summary.json").read_text())
-    events = [json.loads(line) for line in (folder / "events.jsonl").read_text().splitlines()]
+    result = run_job([*mover_launch_command(folder, WORLD, *options), *script],
+                     f"run failed (shadow iterations {shadow_iterations})")
+    summary = read_summary(folder)
+    events = read_events(folder)
     return {
         "summary": summary,
-        "digest": result.lines_starting("PARAMS_DIGEST")[0].split()[1],
+        "digest": params_digest(result.output),
         "started": min(e["time"] for e in events if e["event"] == "attempt_start"),
         "workers_ready": [e["time"] for e in events if e["event"] == "worker_ready"],
         "standby_ready": next(e["time"] for e in events if e["event"] == "standby_ready"),
@@ -71,10 +60,8 @@ def run_job(folder: Path, shadow_iterations: int) -> dict:
 def main() -> None:
     args = repeats_argument(__doc__, default=3)
     with tempfile.TemporaryDirectory(prefix="mover-bench-") as tmp:
-        runs = interleaved(list(MODES), args.repeats,
-                           lambda mode, repeat: run_job(Path(tmp) / f"{mode}-{repeat}",
-                                                        MODES[mode]),
-                           describe)
+        runs = interleaved_in(Path(tmp), list(MODES), args.repeats,
+                              lambda mode, folder: run_standby(folder, MODES[mode]), describe)
     check_same_digest(runs)
     report(runs)
 

@@ -37,44 +37,30 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
-from common import check_same_digest, interleaved
-from mover_plugin.testing import run_command
-
-ROOT = Path(__file__).resolve().parents[1]
-EXAMPLE = str(ROOT / "examples" / "pretrain_gpt.py")
-MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
-         "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "8"]
+from common import (benchmark_parser, check_same_digest, interleaved_in, joined,
+                    percent_more)
+from jobs import (GPT_EXAMPLE, gpt_model_flags, mover_launch_command, run_job,
+                  summary_with_digest)
 
 
-def run_job(folder: Path, resilient: bool, train_iters: int, nproc: int, pp: int) -> dict:
-    summary_path = folder / "summary.json"
-    launcher = [sys.executable, "-m", "mover_plugin.launch.cli", "--standalone",
-                "--nproc-per-node", str(nproc), "--summary", str(summary_path)]
-    script = [EXAMPLE, *MODEL, "--pipeline-model-parallel-size", str(pp),
-              "--train-iters", str(train_iters)]
+def run_mode(folder: Path, resilient: bool, train_iters: int, nproc: int, pp: int) -> dict:
+    script = [GPT_EXAMPLE, *gpt_model_flags(pipeline=pp, layers=4, train_iters=train_iters)]
     if resilient:
-        launcher += ["--policy", "resilient", "--standbys", "1"]
+        options = ["--policy", "resilient", "--standbys", "1"]
         script += ["--resilient"]
     else:
-        launcher += ["--policy", "restart"]
-    result = run_command([*launcher, *script], timeout_s=600)
-    if result.returncode != 0:
-        raise SystemExit(f"run failed (resilient={resilient}):\n{result.output[-3000:]}")
-    summary = json.loads(summary_path.read_text())
-    summary["digest"] = result.lines_starting("PARAMS_DIGEST")[0].split()[1]
-    return summary
+        options = ["--policy", "restart"]
+    result = run_job([*mover_launch_command(folder, nproc, *options, event_log=False), *script],
+                     f"run failed (resilient={resilient})")
+    return summary_with_digest(folder, result)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=5)
+    parser = benchmark_parser(__doc__, repeats=5)
     parser.add_argument("--train-iters", type=int, default=40)
     parser.add_argument("--nproc", type=int, default=4, help="worker processes (default 4)")
     parser.add_argument("--pp", type=int, default=2, help="pipeline stages (default 2)")
@@ -85,16 +71,13 @@ def main() -> None:
         raise SystemExit(f"--nproc {args.nproc} must be a multiple of --pp {args.pp} with at "
                          "least 2 data-parallel replicas")
     with tempfile.TemporaryDirectory(prefix="mover-bench-") as tmp:
-
-        def run(mode: str, repeat: int) -> dict:
-            folder = Path(tmp) / f"{mode}-{repeat}"
-            folder.mkdir()
-            return run_job(folder, mode == "on", args.train_iters, args.nproc, args.pp)
-
-        runs = interleaved(["off", "on"], args.repeats, run,
-                           lambda s: f"step {s['median_step_time_s']:.4f} s, CPU "
-                                     f"{s['median_cpu_per_step_s']:.4f} s/step, peak RSS "
-                                     f"{s['worker_peak_rss_mb']:.1f} MB")
+        runs = interleaved_in(Path(tmp), ["off", "on"], args.repeats,
+                              lambda mode, folder: run_mode(folder, mode == "on",
+                                                            args.train_iters, args.nproc,
+                                                            args.pp),
+                              lambda s: f"step {s['median_step_time_s']:.4f} s, CPU "
+                                        f"{s['median_cpu_per_step_s']:.4f} s/step, peak RSS "
+                                        f"{s['worker_peak_rss_mb']:.1f} MB")
     check_same_digest(runs)
     for field, label in (("median_step_time_s", "STEP_TIME"),
                          ("median_cpu_per_step_s", "CPU_PER_STEP"),
@@ -118,8 +101,8 @@ def _paired(on: list[float], off: list[float]) -> str:
     """The on/off difference of each repeat's pair (the two runs next to each other in time,
     so slow drifts of the machine cancel), their mean and its one-sided 95 % upper confidence
     bound (Student's t): the overhead is shown to be <= 1 % when that bound is."""
-    differences = [100 * (a / b - 1) for a, b in zip(on, off)]
-    listed = ", ".join(f"{d:+.1f}" for d in differences)
+    differences = [percent_more(a, b) for a, b in zip(on, off)]
+    listed = joined(differences, "+.1f")
     if len(differences) < 2:
         return f"on/off per repeat {listed} % (one pair: no confidence bound)"
     mean = statistics.mean(differences)

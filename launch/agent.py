@@ -9,10 +9,11 @@ poll period (10 ms), reads each process's progress pipe to deliver injected fail
 step they name and to see heartbeats (a process silent past the timeout its heartbeats
 announce is killed, so that its exit starts the recovery), and stops every process when the
 controller goes away. Besides the workers it starts the host's standby processes (same
-command, ``MOVER_STANDBY_ID`` set, no rank) and relabels one as a worker when promoted; in a
+command, its standby id set in the environment, no rank) and relabels one as a worker when promoted; in a
 migration the process it replaces keeps running as a *leaver* until it has handed its state
 over and exits. Notices to a generation are written into every local rank's notice pipe
-(``mover_plugin.runtime.notices``).
+(``mover_plugin.runtime.notices``); what passes between agent and worker is in
+:mod:`mover_plugin.contract`.
 
 Run as ``python -m mover_plugin.launch.agent`` with its settings as JSON in
 ``MOVER_AGENT_CONFIG`` (the launcher does this), or in-process through :class:`Agent`.
@@ -30,18 +31,27 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from datetime import timedelta
 from typing import Any, Optional
 
 import torch.distributed as dist
 
+from mover_plugin.contract import (
+    ATTEMPT_ENV,
+    COMMANDS_MAILBOX,
+    CONTROL_ADDR_ENV,
+    CONTROL_PORT_ENV,
+    EVENTS_MAILBOX,
+    GENERATION_ENV,
+    NOTICE_FD_ENV,
+    PROGRESS_FD_ENV,
+    STANDBY_ID_ENV,
+    encode_notice,
+)
 from mover_plugin.launch.config import FailureInjection, MigrationInjection, NodeSpec
-from mover_plugin.launch.mailbox import Mailbox
+from mover_plugin.mailbox import Mailbox, connect_to_controller
 from mover_plugin.processes import describe_exit, process_cpu_s, start_process, stop_processes
-from mover_plugin.runtime.notices import NOTICE_FD_ENV, encode_notice
 from mover_plugin.progress import (
     HEARTBEAT,
-    PROGRESS_FD_ENV,
     READY,
     STANDBY_READY,
     STEP_BEGIN,
@@ -169,8 +179,8 @@ class Agent:
     def __init__(self, config: AgentConfig, store: dist.Store) -> None:
         self.config = config
         self._store = store
-        self._commands = Mailbox(store, "commands")
-        self._events = Mailbox(store, "events")
+        self._commands = Mailbox(store, COMMANDS_MAILBOX)
+        self._events = Mailbox(store, EVENTS_MAILBOX)
         self._workers: list[Worker] = []
         self._selector = selectors.DefaultSelector()
         self._pending_injections = sorted(config.injections, key=lambda i: (i.step, i.rank))
@@ -253,7 +263,7 @@ class Agent:
         env = self._worker_env(rank, local_rank, self._attempt, store_port, write_fd)
         env[NOTICE_FD_ENV] = str(notice_read)
         if standby is not None:
-            env["MOVER_STANDBY_ID"] = standby
+            env[STANDBY_ID_ENV] = standby
         process = start_process(list(self.config.command), env,
                                 pass_fds=(write_fd, notice_read))
         os.close(write_fd)
@@ -336,12 +346,11 @@ class Agent:
             # env:// rendezvous connects to the store the controller hosts for this attempt.
             TORCHELASTIC_USE_AGENT_STORE="True",
             TORCHELASTIC_RESTART_COUNT=str(attempt),
-            MOVER_CONTROL_ADDR=self.config.master_addr,
-            MOVER_CONTROL_PORT=str(self.config.master_port),
-            MOVER_ATTEMPT=str(attempt),
-            MOVER_GENERATION=str(self._generation),
         )
-        env[PROGRESS_FD_ENV] = str(progress_fd)
+        env.update({CONTROL_ADDR_ENV: self.config.master_addr,
+                    CONTROL_PORT_ENV: str(self.config.master_port),
+                    ATTEMPT_ENV: str(attempt), GENERATION_ENV: str(self._generation),
+                    PROGRESS_FD_ENV: str(progress_fd)})
         return env
 
     def _stop_workers(self) -> None:
@@ -502,12 +511,6 @@ class Agent:
         fields.setdefault("time", time.time())
         self._events.post({"kind": kind, "node": self.config.node.node_rank,
                            "attempt": self._attempt, "generation": self._generation, **fields})
-
-
-def connect_to_controller(addr: str, port: int, timeout_s: float) -> dist.TCPStore:
-    """A client of the controller's store; waits up to ``timeout_s`` for it to listen."""
-    return dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=timeout_s),
-                         wait_for_workers=False)
 
 
 def main() -> int:

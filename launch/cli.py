@@ -18,12 +18,13 @@ from typing import Optional, Sequence
 import torch.distributed as dist
 
 from mover_plugin.errors import ConfigError, LaunchError
-from mover_plugin.launch.agent import AGENT_CONFIG_ENV, Agent, AgentConfig, connect_to_controller
+from mover_plugin.launch.agent import AGENT_CONFIG_ENV, Agent, AgentConfig
 from mover_plugin.launch.config import LaunchConfig, parse_launch_args
 from mover_plugin.launch.controller import Controller
 from mover_plugin.launch.jobs import registered_job
 from mover_plugin.launch.preflight import run_preflight
 from mover_plugin.launch.summary import RunSummary
+from mover_plugin.mailbox import connect_to_controller
 from mover_plugin.processes import start_process, stop_processes
 
 logger = logging.getLogger("mover_plugin.launch")

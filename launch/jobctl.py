@@ -31,8 +31,8 @@ import torch.distributed as dist
 from mover_plugin.errors import ConfigError, MoverError
 from mover_plugin.launch.config import port_number
 from mover_plugin.launch.jobs import find_job
-from mover_plugin.launch.mailbox import Mailbox
-from mover_plugin.launch.protocol import REQUESTS_MAILBOX, request_done_key, request_reply_key
+from mover_plugin.mailbox import Mailbox
+from mover_plugin.contract import REQUESTS_MAILBOX, request_done_key, request_reply_key
 
 
 class RequestRejected(MoverError):

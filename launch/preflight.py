@@ -17,7 +17,7 @@ from pathlib import Path
 
 from mover_plugin.errors import ConfigError
 from mover_plugin.launch.config import LaunchConfig
-from mover_plugin.runtime.preflight import PREFLIGHT_ENV, PREFLIGHT_ERROR, PREFLIGHT_OK
+from mover_plugin.contract import PREFLIGHT_ENV, PREFLIGHT_ERROR, PREFLIGHT_OK
 
 _MARKERS = ("mover_plugin.megatron", "mover_plugin.deepspeed")
 """A script that imports one of these parses its flags with mover_plugin."""

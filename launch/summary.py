@@ -112,6 +112,9 @@ class RunSummary:
     first step end to its last; last attempt): unlike the step time, not stretched by waiting
     for a core or for the other ranks."""
     interruptions: list[Interruption] = field(default_factory=list)
+    rejected_events: int = 0
+    """Events the controller did not act on because they were unknown or malformed (each is
+    in the event log as ``event_rejected``, with the reason)."""
 
     @property
     def wall_time_s(self) -> Optional[float]:

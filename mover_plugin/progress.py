@@ -1,11 +1,12 @@
 """Progress reports from a training rank to the agent that started it.
 
 A worker started by ``mover-launch`` inherits one end of a pipe whose file descriptor is in
-``MOVER_PROGRESS_FD``. At each step boundary the worker writes one JSON line; the agent on the
-same host reads them to deliver injected failures at a given step and to time interruptions.
-The agent forwards only the few events the controller needs (the first step of an attempt, the
-last step before an exit); with the slow-rank policy on, also one report per step for all ranks
-of its host with their busy times (``busy_s``: the step minus the rank's waits for its peers).
+``MOVER_PROGRESS_FD`` (:data:`mover_plugin.contract.PROGRESS_FD_ENV`). At each step boundary
+the worker writes one JSON line; the agent on the same host reads them to deliver injected
+failures at a given step and to time interruptions. The agent forwards only the few events the
+controller needs (the first step of an attempt, the last step before an exit); with the
+slow-rank policy on, also one report per step for all ranks of its host with their busy times
+(``busy_s``: the step minus the rank's waits for its peers).
 
 Outside ``mover-launch`` (plain ``torchrun`` or a single process) every report is a no-op.
 """
@@ -18,7 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-PROGRESS_FD_ENV = "MOVER_PROGRESS_FD"
+from mover_plugin.contract import PROGRESS_FD_ENV
 
 STEP_BEGIN = "step_begin"
 STEP_END = "step_end"

@@ -12,8 +12,8 @@ import torch.distributed as dist
 from mover_plugin.errors import ConfigError
 from mover_plugin.launch.config import MigrationInjection, parse_injection, parse_launch_args
 from mover_plugin.launch.hostfile import parse_hostfile
-from mover_plugin.launch import mailbox
-from mover_plugin.launch.mailbox import Mailbox
+from mover_plugin import mailbox
+from mover_plugin.mailbox import Mailbox
 from mover_plugin.launch.summary import Interruption, RunSummary
 
 

@@ -7,7 +7,8 @@ agent writes with.
 import os
 import time
 
-from mover_plugin.runtime.notices import NoticeWatcher, encode_notice
+from mover_plugin.contract import encode_notice
+from mover_plugin.runtime.notices import NoticeWatcher
 
 
 class _Recorder:

@@ -18,6 +18,8 @@ in the same process. This package provides:
   a replaced rank (delta communicators) and registered with c10d in the old ones' place;
 - :mod:`~mover_plugin.comm.sandbox` — the ``mover_sandbox`` backend, groups that talk to no
   one, in which a standby warms up.
+- :mod:`~mover_plugin.comm.context` — the package's process-wide state (the alarm, the waiter
+  pool, the retired backends, the live groups, the sandbox's counters) in one object.
 
 The alarm is raised in a worker by its ``mover_plugin.runtime.notices.NoticeWatcher`` when the
 controller's alarm notice for the worker's generation arrives (relayed by the host's agent).

@@ -15,24 +15,24 @@ is already raised changes nothing (several detectors may report the same inciden
 Waiters block on one condition variable, so raising the alarm wakes them at once, as does the
 completion of the work they wait for; listeners
 (e.g. NCCL communicator aborts) run synchronously in the raising thread.
+
+The alarm's state is the ``alarm`` of the process's
+:class:`~mover_plugin.comm.context.CommContext`.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from typing import Callable, Optional
 
+from mover_plugin.comm.context import AlarmState, default_context
+
 logger = logging.getLogger(__name__)
 
-_cond = threading.Condition(threading.Lock())
-_epoch = 0
-_raised = False
-_reason: Optional[str] = None
-_raised_at: Optional[float] = None
-_listeners: list[Callable[[str], None]] = []
-_reasons: dict[int, str] = {}  # epoch -> reason; alarms are rare, so this stays small
+
+def _state() -> AlarmState:
+    return default_context().alarm
 
 
 def raise_alarm(reason: str) -> int:
@@ -41,18 +41,18 @@ def raise_alarm(reason: str) -> int:
     Wakes every thread blocked in an abortable ``wait()`` and runs the listeners in this thread.
     Safe to call from any thread, including signal handlers' Python callbacks.
     """
-    global _epoch, _raised, _reason, _raised_at
-    with _cond:
-        if _raised:
-            return _epoch
-        _epoch += 1
-        _raised = True
-        _reason = reason
-        _raised_at = time.monotonic()
-        _reasons[_epoch] = reason
-        epoch = _epoch
-        listeners = list(_listeners)
-        _cond.notify_all()
+    state = _state()
+    with state.cond:
+        if state.raised:
+            return state.epoch
+        state.epoch += 1
+        state.raised = True
+        state.reason = reason
+        state.raised_at = time.monotonic()
+        state.reasons[state.epoch] = reason
+        epoch = state.epoch
+        listeners = list(state.listeners)
+        state.cond.notify_all()
     logger.warning("alarm raised (epoch %d): %s", epoch, reason)
     for listener in listeners:
         try:
@@ -64,42 +64,43 @@ def raise_alarm(reason: str) -> int:
 
 def clear_alarm() -> None:
     """Re-arms the alarm. Groups created before the last alarm stay aborted."""
-    global _raised, _reason, _raised_at
-    with _cond:
-        _raised = False
-        _reason = None
-        _raised_at = None
+    state = _state()
+    with state.cond:
+        state.raised = False
+        state.reason = None
+        state.raised_at = None
 
 
 def is_raised() -> bool:
     """Whether the alarm is raised now."""
-    return _raised
+    return _state().raised
 
 
 def reason() -> Optional[str]:
     """The reason given to the raised alarm, or ``None`` when clear."""
-    return _reason
+    return _state().reason
 
 
 def raised_at() -> Optional[float]:
     """``time.monotonic()`` when the raised alarm was raised, or ``None`` when clear."""
-    return _raised_at
+    return _state().raised_at
 
 
 def current_epoch() -> int:
     """The number of alarms raised so far in this process."""
-    return _epoch
+    return _state().epoch
 
 
 def reason_after(epoch: int) -> Optional[str]:
     """The reason of the first alarm raised after ``epoch``, or ``None`` if there was none."""
-    return _reasons.get(epoch + 1)
+    return _state().reasons.get(epoch + 1)
 
 
 def wait_for_alarm(timeout_s: Optional[float] = None) -> bool:
     """Blocks until the alarm is raised or ``timeout_s`` passes; returns whether it is raised."""
-    with _cond:
-        return _cond.wait_for(lambda: _raised, timeout=timeout_s)
+    state = _state()
+    with state.cond:
+        return state.cond.wait_for(lambda: state.raised, timeout=timeout_s)
 
 
 def wait_until(done: Callable[[], bool], epoch: int, timeout_s: float) -> bool:
@@ -109,26 +110,30 @@ def wait_until(done: Callable[[], bool], epoch: int, timeout_s: float) -> bool:
     ``done`` is evaluated under the alarm's lock, so a completion that sets its flag and then
     calls :func:`wake_waiters` cannot slip between the check and the sleep.
     """
-    with _cond:
-        return _cond.wait_for(lambda: _epoch != epoch or done(), timeout_s)
+    state = _state()
+    with state.cond:
+        return state.cond.wait_for(lambda: state.epoch != epoch or done(), timeout_s)
 
 
 def wake_waiters() -> None:
     """Wakes every thread sleeping in :func:`wait_until` so it re-checks its work (called when
     a backend work completes, and when one group is aborted on its own, without an alarm)."""
-    with _cond:
-        _cond.notify_all()
+    state = _state()
+    with state.cond:
+        state.cond.notify_all()
 
 
 def add_listener(listener: Callable[[str], None]) -> None:
     """Calls ``listener(reason)`` in the raising thread at every future alarm."""
-    with _cond:
-        if listener not in _listeners:
-            _listeners.append(listener)
+    state = _state()
+    with state.cond:
+        if listener not in state.listeners:
+            state.listeners.append(listener)
 
 
 def remove_listener(listener: Callable[[str], None]) -> None:
     """Undoes :func:`add_listener` (no error if it was not added)."""
-    with _cond:
-        if listener in _listeners:
-            _listeners.remove(listener)
+    state = _state()
+    with state.cond:
+        if listener in state.listeners:
+            state.listeners.remove(listener)

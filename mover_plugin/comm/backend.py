@@ -14,25 +14,24 @@ loop and its return value *becomes* the group, which c10d names and registers in
 maps. With ``extended_api=True`` the creator receives ``_DistributedBackendOptions`` (store,
 group rank and size, timeout, group name, global ranks) and the backend options.
 
-Nothing is registered at import time: callers opt in.
+Nothing is registered at import time: callers opt in. Registration takes the
+``registration_lock`` of the process's :class:`~mover_plugin.comm.context.CommContext`.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from mover_plugin.comm import retired
+from mover_plugin.comm.context import default_context
 from mover_plugin.comm.process_group import BACKEND_NAME, MoverProcessGroup
 from mover_plugin.comm.world import WorldGroup, WorldOptions, group_members
 
 logger = logging.getLogger(__name__)
-
-_lock = threading.Lock()
 
 
 def is_registered(name: str = BACKEND_NAME) -> bool:
@@ -52,7 +51,7 @@ def register_backend() -> str:
 def register_plugin(name: str, creator: Callable[..., dist.ProcessGroup]) -> str:
     """Registers a c10d backend whose ``creator`` (extended API) returns the group itself, for
     ``cpu`` and ``cuda`` (idempotent); returns ``name``."""
-    with _lock:
+    with default_context().registration_lock:
         if not is_registered(name):
             dist.Backend.register_backend(name, creator, extended_api=True,
                                           devices=["cpu", "cuda"])

@@ -50,7 +50,7 @@ from torch.distributed import PrefixStore, Store
 
 from mover_plugin.comm.errors import CommAborted
 from mover_plugin.comm.process_group import BACKEND_NAME, MoverProcessGroup
-from mover_plugin.comm.world import WorldGroup, group_members
+from mover_plugin.comm.world import WorldGroup, group_members, group_name_order
 
 logger = logging.getLogger(__name__)
 
@@ -152,7 +152,7 @@ def prepare_delta(generation_store: Store, changed: Collection[int], *, timeout:
                          "initialize_model_parallel(create_gloo_process_groups=False))")
     by_members: dict[tuple[int, ...], MoverProcessGroup] = {}
     try:
-        for name in sorted(names, key=_name_order):
+        for name in sorted(names, key=group_name_order):
             old, info = groups[name]
             store = rendezvous_store(generation_store, name, default_name)
             if info.is_default:
@@ -225,10 +225,6 @@ def _register_in_place(world: Any, name: str, old: Any, new: MoverProcessGroup) 
     c10d._register_process_group(name, new)
     if c10d._get_default_group() is old:
         c10d._update_default_pg(new)
-
-
-def _name_order(name: str) -> tuple[int, str]:
-    return (int(name), name) if name.isdigit() else (1 << 30, name)
 
 
 def agree_on_idle_groups(store: Store, kept_candidates: Mapping[str, tuple[Any, GroupInfo]],

@@ -18,14 +18,15 @@ its input, unless it is a pre-multiplied sum) completes without the backend. A g
 :class:`~mover_plugin.comm.errors.CollectiveAborted` at once, waits end with it, NCCL
 communicators are aborted, and :meth:`MoverProcessGroup.shutdown` (called by
 ``destroy_process_group``) returns at once, handing backends with pending operations to
-:mod:`mover_plugin.comm.retired` instead of joining their threads.
+:mod:`mover_plugin.comm.retired` instead of joining their threads. The groups not shut down
+yet are the ``live`` groups of the process's :class:`~mover_plugin.comm.context.CommContext`,
+which the alarm's listener reaches.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import weakref
 from datetime import timedelta
 from typing import Any, Callable, Optional, Sequence
 
@@ -47,6 +48,7 @@ from torch.distributed.distributed_c10d import (
 )
 
 from mover_plugin.comm import alarm, retired
+from mover_plugin.comm.context import LiveGroups, default_context
 from mover_plugin.comm.errors import CollectiveAborted, CommAborted
 from mover_plugin.comm.named import NamedProcessGroup
 from mover_plugin.comm.work import AbortableWork, completed, observe
@@ -55,23 +57,23 @@ logger = logging.getLogger(__name__)
 
 BACKEND_NAME = "mover"
 
-_live_groups: "weakref.WeakSet[MoverProcessGroup]" = weakref.WeakSet()
-_listener_lock = threading.Lock()
-_listener_added = False
+
+def _live() -> LiveGroups:
+    return default_context().live
 
 
 def _abort_live_groups(reason: str) -> None:
     """Alarm listener: aborts the NCCL communicators of the groups the alarm aborted."""
-    for group in list(_live_groups):
+    for group in list(_live().groups):
         group._on_alarm(reason)
 
 
 def _ensure_alarm_listener() -> None:
-    global _listener_added
-    with _listener_lock:
-        if not _listener_added:
+    live = _live()
+    with live.listener_lock:
+        if not live.listener_added:
             alarm.add_listener(_abort_live_groups)
-            _listener_added = True
+            live.listener_added = True
 
 
 def _make_nccl(store: Store, rank: int, size: int, timeout: timedelta,
@@ -196,7 +198,7 @@ class MoverProcessGroup(NamedProcessGroup):
             self._nccl = _make_nccl(PrefixStore("nccl/", store), rank, size, timeout,
                                     self._global_ranks, group_name, nccl_options)
         _ensure_alarm_listener()
-        _live_groups.add(self)
+        _live().groups.add(self)
         logger.debug("group %s: rank %d of %d (global ranks %s), epoch %d, nccl=%s, "
                      "gloo shared by %d", self._label, rank, size, self._global_ranks,
                      self._epoch, self._nccl is not None, self._link.users)
@@ -320,7 +322,7 @@ class MoverProcessGroup(NamedProcessGroup):
         if self._closed:
             return
         self._closed = True
-        _live_groups.discard(self)
+        _live().groups.discard(self)
         with self._link.lock:
             self._link.users -= 1
             last_user = self._link.users == 0

@@ -18,31 +18,33 @@ into a tensor that requires grad).
 
 The group never touches the store c10d hands it and opens no connection: it has no transport
 at all. :func:`operations_served` counts what it answered, so a warm-up can show that it ran
-the job's communication pattern.
+the job's communication pattern; the counts are the ``sandbox`` counters of the process's
+:class:`~mover_plugin.comm.context.CommContext`.
 """
 
 from __future__ import annotations
 
-import collections
-import threading
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from mover_plugin.comm.backend import register_plugin
+from mover_plugin.comm.context import SandboxCounters, default_context
 from mover_plugin.comm.named import NamedProcessGroup
 
 SANDBOX_BACKEND = "mover_sandbox"
 
-_lock = threading.Lock()
-_served: "collections.Counter[str]" = collections.Counter()
+
+def _counters() -> SandboxCounters:
+    return default_context().sandbox
 
 
 def operations_served() -> dict[str, int]:
     """How many operations of each kind the sandbox groups of this process answered."""
-    with _lock:
-        return dict(_served)
+    counters = _counters()
+    with counters.lock:
+        return dict(counters.served)
 
 
 class SandboxProcessGroup(NamedProcessGroup):
@@ -65,8 +67,9 @@ class SandboxProcessGroup(NamedProcessGroup):
 
     def _done(self, op: str, result: Any = None) -> dist.Work:
         """A completed work whose result is ``result``."""
-        with _lock:
-            _served[op] += 1
+        counters = _counters()
+        with counters.lock:
+            counters.served[op] += 1
         future: torch.futures.Future = torch.futures.Future()
         future.set_result(result if result is not None else [])
         return torch._C._distributed_c10d._create_work_from_future(future)

@@ -23,20 +23,23 @@ How completion is observed depends on the backend's work:
 - NCCL works (CUDA) are not waited for: their ``wait()`` only orders the current stream after
   the collective, as NCCL's own does, and a stuck kernel is ended by aborting the communicator
   when the alarm is raised.
+
+The pool of waiting threads and the main thread's waited seconds are the ``waits`` of the
+process's :class:`~mover_plugin.comm.context.CommContext`.
 """
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from mover_plugin.comm import alarm
+from mover_plugin.comm.context import WaitState, default_context
 
 if TYPE_CHECKING:
     from mover_plugin.comm.process_group import MoverProcessGroup
@@ -47,52 +50,14 @@ _SLICE_S = 0.01
 """How long a waiter blocks in a gloo collective's own ``wait()`` between checks of its group."""
 
 
-class _WaiterPool:
-    """Daemon threads that block in backend ``wait()`` calls on behalf of abortable waits.
-
-    A thread is reused once its wait returns; a new one is started whenever none is idle, so
-    a wait that never returns costs one parked thread, never a blocked caller.
-    """
-
-    def __init__(self) -> None:
-        self._jobs: "queue.SimpleQueue[Callable[[], None]]" = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._idle = 0
-        self._threads = 0
-
-    def submit(self, job: Callable[[], None]) -> None:
-        with self._lock:
-            if self._idle > 0:
-                self._idle -= 1
-            else:
-                self._threads += 1
-                threading.Thread(target=self._run, name=f"mover-wait-{self._threads}",
-                                 daemon=True).start()
-        self._jobs.put(job)
-
-    def _run(self) -> None:
-        while True:
-            job = self._jobs.get()
-            job()
-            with self._lock:
-                self._idle += 1
-
-    @property
-    def threads(self) -> int:
-        """Threads started so far (idle or busy)."""
-        return self._threads
-
-
-_pool = _WaiterPool()
-
-_waited_s = 0.0
-"""Seconds the main thread has spent blocked waiting for operations of mover groups."""
+def _waits() -> WaitState:
+    return default_context().waits
 
 
 def waited_s() -> float:
     """Seconds the main thread (the training loop) has spent blocked in waits for operations
     of mover groups: a step's duration minus what it waited is the rank's *busy time*."""
-    return _waited_s
+    return _waits().waited_s
 
 
 class _Observed:
@@ -164,7 +129,7 @@ class _Watched(_Observed):
         super().__init__(work)
         self._done = False
         self._error: Optional[BaseException] = None
-        _pool.submit(self._wait)
+        _waits().pool.submit(self._wait)
 
     def _wait(self) -> None:
         try:
@@ -326,12 +291,12 @@ class AbortableWork(dist.Work):
         if threading.current_thread() is not threading.main_thread():
             self._block_until_complete(deadline)
             return
-        global _waited_s
+        waits = _waits()
         started = time.perf_counter()
         try:
             self._block_until_complete(deadline)
         finally:
-            _waited_s += time.perf_counter() - started
+            waits.waited_s += time.perf_counter() - started
 
     def _block_until_complete(self, deadline: Optional[float]) -> None:
         group = self._group
@@ -365,7 +330,7 @@ class AbortableWork(dist.Work):
             else:
                 self._settle(future, value=self._values())
 
-        _pool.submit(complete)
+        _waits().pool.submit(complete)
         return future
 
     def _settle(self, future: torch.futures.Future, *, value: Any = None,

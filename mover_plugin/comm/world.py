@@ -73,6 +73,12 @@ def group_members(group: Any) -> tuple[int, ...]:
     return tuple(sorted(ranks, key=ranks.__getitem__))
 
 
+def group_name_order(name: str) -> tuple[int, str]:
+    """A sort key for c10d group names: c10d's numbered names by number, then the others by
+    name (every rank orders the groups of the job alike)."""
+    return (int(name), name) if name.isdigit() else (1 << 30, name)
+
+
 def check_cover(rank: int, world_size: int, members: Sequence[Sequence[int]]) -> None:
     """Raises :class:`CoverError` unless groups with these members (as seen from ``rank``)
     form a grid over the world: each holds ``rank``, any two meet only in it, and their sizes
@@ -368,16 +374,12 @@ def _smallest_group_with(rank: int, peer: int) -> tuple[MoverProcessGroup, int]:
         if (isinstance(group, WorldGroup) or not isinstance(group, MoverProcessGroup)
                 or rank not in ranks or peer not in ranks):
             continue
-        candidates.append((len(ranks), _name_key(world.pg_names.get(group, "")), group))
+        candidates.append((len(ranks), group_name_order(world.pg_names.get(group, "")), group))
     if not candidates:
         raise CoverError(f"no group of the job holds both rank {rank} and rank {peer}: a send "
                          "or receive on the covered default group needs one")
     _, _, group = min(candidates, key=lambda item: item[:2])
     return group, world.pg_group_ranks[group][peer]
-
-
-def _name_key(name: str) -> tuple[int, str]:
-    return (int(name), name) if name.isdigit() else (1 << 30, name)
 
 
 def _reduce_op(opts: Any) -> Any:

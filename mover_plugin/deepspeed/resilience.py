@@ -1,7 +1,8 @@
 """The resilience runtime of a DeepSpeed pipeline training process (a ``"resilience"`` block).
 
 Same controller, agent, generations and step protocol as the Megatron path
-(:mod:`mover_plugin.runtime.resilience`); this adapter knows the DeepSpeed side:
+(:mod:`mover_plugin.runtime.resilience`); this adapter (:mod:`mover_plugin.runtime.adapter`)
+knows the DeepSpeed side:
 
 - **Groups.** ``init_process_group`` uses the abortable ``mover`` backend, so every group
   DeepSpeed makes afterwards (``PipelineModule``'s grid, the engine's, ZeRO's) is one too. After
@@ -63,12 +64,10 @@ from mover_plugin.deepspeed.engine_state import (
 from mover_plugin.errors import LaunchError
 from mover_plugin.layout import ParallelLayout
 from mover_plugin.progress import ProgressReporter
-from mover_plugin.runtime.control import ControlClient
-from mover_plugin.runtime.resilience import (
-    ResilienceRuntime,
-    exit_now,
-    connect_to_controller,
-)
+from mover_plugin.runtime.adapter import Continuation, Transfer
+from mover_plugin.runtime.exits import exit_now
+from mover_plugin.runtime.handover import module_state_tensors
+from mover_plugin.runtime.resilience import ResilienceRuntime
 
 logger = logging.getLogger(__name__)
 
@@ -103,14 +102,18 @@ def decide_continuation(records: list[Optional[dict[str, Any]]],
     return target, None, {rank: holders[rank] for rank in lost}
 
 
-class DeepSpeedResilience(ResilienceRuntime):
-    """The runtime of a DeepSpeed pipeline-engine process."""
+class DeepSpeedResilience:
+    """The runtime of a DeepSpeed pipeline-engine process.
 
-    def __init__(self, block: ResilienceBlock, control: ControlClient,
-                 progress: ProgressReporter, pipeline_parallel_size: int) -> None:
-        super().__init__(block.settings, control, progress)
+    The script calls :meth:`start`, :meth:`initialize_distributed`, :meth:`build_engine`,
+    :meth:`attach`, :meth:`first_iteration`, then :meth:`run_step` for every iteration and
+    :meth:`finish`; the :class:`~mover_plugin.runtime.resilience.ResilienceRuntime` it holds
+    calls back the adapter methods below them (:class:`~mover_plugin.runtime.adapter.
+    FrameworkAdapter`).
+    """
+
+    def __init__(self, block: ResilienceBlock, pipeline_parallel_size: int) -> None:
         self.peer_copy = block.peer_copy
-        self._layout = ParallelLayout.for_world(self.world_size, 1, pipeline_parallel_size)
         self._engine: Any = None
         self._load: Load = lambda: None
         self._held: list[torch.Tensor] = []
@@ -122,22 +125,25 @@ class DeepSpeedResilience(ResilienceRuntime):
         self._held_of = -1
         self._held_version = -1
         """The iteration the held copy belongs to (-1: none, or being replaced)."""
-        self._receiving_lost_shard = False
-        """Set while a joiner receives a lost rank's shard from the peer holding its copy."""
+        self.runtime = ResilienceRuntime.connect(block.settings, self)
+        self._layout = ParallelLayout.for_world(self.runtime.world_size, 1,
+                                                pipeline_parallel_size)
 
-    # -- start-up -------------------------------------------------------------------------
+    # -- what the training script calls ---------------------------------------------------
 
     @classmethod
     def start(cls, block: ResilienceBlock, *,
               pipeline_parallel_size: int) -> "DeepSpeedResilience":
         """Connects to ``mover-launch``; a standby blocks here until it is promoted."""
-        runtime = cls(block, connect_to_controller(), ProgressReporter.from_env(),
-                      pipeline_parallel_size)
-        runtime._start()
-        if runtime.control.standby_id is not None:
-            runtime._import_lazy_modules()
-            runtime._wait_for_promotion()
-        return runtime
+        resilience = cls(block, pipeline_parallel_size)
+        if resilience.runtime.is_standby:
+            resilience._import_lazy_modules()
+            resilience.runtime.wait_for_promotion()
+        return resilience
+
+    @property
+    def progress(self) -> ProgressReporter:
+        return self.runtime.progress
 
     def _import_lazy_modules(self) -> None:
         started = time.perf_counter()
@@ -148,19 +154,20 @@ class DeepSpeedResilience(ResilienceRuntime):
                 imported.append(name)
             except ImportError as error:
                 logger.info("standby: %s not imported ahead (%s)", name, error)
-        self.control.post("standby_warmed", standby=self.control.standby_id, time=time.time(),
-                          imported=imported, warm_up_s=time.perf_counter() - started)
+        control = self.runtime.control
+        control.post("standby_warmed", standby=control.standby_id, time=time.time(),
+                     imported=imported, warm_up_s=time.perf_counter() - started)
 
     def initialize_distributed(self) -> None:
         """``init_process_group`` for this generation with abortable groups (call before
         ``deepspeed.init_distributed``, which then keeps it)."""
-        self._init_distributed(self._layout)
+        self.runtime.init_distributed(self._layout)
 
     def build_engine(self, build: Callable[[], Any]) -> Any:
         """``build()`` (the ``PipelineModule`` and ``deepspeed.initialize``); a promoted
         standby builds with its collectives kept local (their results are replaced by the
         state it receives, or by the checkpoint)."""
-        if self.joiner_of is None:
+        if self.runtime.joiner_of is None:
             engine = build()
         else:
             from mover_plugin.patches import apply_patches
@@ -179,14 +186,15 @@ class DeepSpeedResilience(ResilienceRuntime):
         """Registers the engine, gates its optimizer update and counts its completed
         iterations; ``load`` restores the latest checkpoint (for a start or a rollback)."""
         self._engine, self._load = engine, load
-        zero = zero_optimizer(engine)
+        zero, runtime = zero_optimizer(engine), self.runtime
         owner, name = (zero, "_optimizer_step") if zero is not None else (engine.optimizer,
                                                                          "step")
         update = getattr(owner, name)
 
         def gated_update(*args: Any, **kwargs: Any) -> Any:
-            if self._step is not None and not self._step.reached_commit:
-                self._commit()
+            step = runtime.ledger.step
+            if step is not None and not step.reached_commit:
+                runtime.commit()
             return update(*args, **kwargs)
 
         setattr(owner, name, gated_update)
@@ -194,8 +202,7 @@ class DeepSpeedResilience(ResilienceRuntime):
 
         def counted_train_batch(*args: Any, **kwargs: Any) -> Any:
             loss = train_batch(*args, **kwargs)
-            if self._step is not None:
-                self._applied = self._step.iteration + 1
+            runtime.ledger.count_running_iteration()
             return loss
 
         engine.train_batch = counted_train_batch
@@ -203,9 +210,16 @@ class DeepSpeedResilience(ResilienceRuntime):
     def first_iteration(self) -> int:
         """The iteration to start from: the checkpoint's (or 0), or for a joiner what the
         live ranks continue from."""
-        if self.joiner_of is None:
-            return self._begin(self._load() or 0)
-        return self._first_iteration_of_joiner()
+        if self.runtime.joiner_of is None:
+            return self.runtime.begin(self._load() or 0)
+        return self.runtime.join()
+
+    def run_step(self, iteration: int, step: Callable[[int], Any]) -> tuple[Any, int]:
+        """See :meth:`ResilienceRuntime.run_step`."""
+        return self.runtime.run_step(iteration, step)
+
+    def finish(self) -> None:
+        self.runtime.finish()
 
     @property
     def peer_copy_bytes(self) -> int:
@@ -216,7 +230,7 @@ class DeepSpeedResilience(ResilienceRuntime):
 
     # -- peer copy ------------------------------------------------------------------------
 
-    def _after_step(self, iteration: int) -> None:
+    def after_step(self, iteration: int) -> None:
         if self.peer_copy:
             self._exchange_shards(iteration + 1)
 
@@ -229,7 +243,7 @@ class DeepSpeedResilience(ResilienceRuntime):
 
     def _exchange_shards(self, version: int) -> None:
         group, following, previous = self._ring()
-        if following == self.rank:
+        if following == self.runtime.rank:
             return  # no data-parallel peer
         mine = shard_tensors(self._engine)
         self._held_buffers(mine)
@@ -244,86 +258,82 @@ class DeepSpeedResilience(ResilienceRuntime):
             work.wait()
         self._held_of, self._held_version = previous, version
 
-    # -- after a crash --------------------------------------------------------------------
+    # -- after a crash (FrameworkAdapter) -------------------------------------------------
 
     def _record(self) -> dict[str, Any]:
-        step = self._step
+        ledger = self.runtime.ledger
+        step = ledger.step
         updating = (step is not None and step.reached_commit
-                    and self._applied != step.iteration + 1)
-        return {"applied": self._applied, "updating": updating,
+                    and ledger.applied != step.iteration + 1)
+        return {"applied": ledger.applied, "updating": updating,
                 "held_of": self._held_of, "held_version": self._held_version}
 
     def _agree(self, contribute: bool) -> tuple[int, Optional[str], dict[int, int]]:
-        records: list[Any] = [None] * self.world_size
+        records: list[Any] = [None] * self.runtime.world_size
         dist.all_gather_object(records, self._record() if contribute else None)
         return decide_continuation(records, self.peer_copy)
 
-    def _recover(self, plan: dict[str, Any], snapshot: dict[str, Any]) -> int:
+    def continue_after_crash(self, plan: dict[str, Any],
+                             snapshot: dict[str, Any]) -> Continuation:
         target, rollback, holders = self._agree(contribute=True)
         reset_interrupted_step(self._engine)
         if rollback is not None:
             return self._roll_back(rollback)
-        if self._step is not None and self._step.iteration == target:
-            self._restore_snapshot(snapshot)  # the dropped iteration is redone
-        for lost, holder in holders.items():
-            if holder == self.rank:
-                self._send_state(lost, target)
-        return target
+        step = self.runtime.ledger.step
+        if step is not None and step.iteration == target:
+            self.restore_snapshot(snapshot)  # the dropped iteration is redone
+        return Continuation(target, holders)
 
-    def _join(self) -> int:
-        if self._joining_migration:
-            self._receive_or_exit()
-            return self._applied
-        target, rollback, _ = self._agree(contribute=False)
-        if rollback is not None:
-            return self._roll_back(rollback)
+    def continue_as_joiner(self) -> Continuation:
         # The held copy of a lost rank comes back with the next step's exchange.
-        self._receiving_lost_shard = True
-        try:
-            self._receive_or_exit()
-        finally:
-            self._receiving_lost_shard = False
-        return target
+        target, rollback, _ = self._agree(contribute=False)
+        return self._roll_back(rollback) if rollback is not None else Continuation(target)
 
-    def _roll_back(self, why: str) -> int:
-        started = time.time()
+    def _roll_back(self, why: str) -> Continuation:
+        runtime, started = self.runtime, time.time()
         iteration = self._load()
         if iteration is None:
             # The launcher sees the exit at once and falls back to restarting the job.
             logger.error("rank %d: cannot continue in place (%s) and there is no checkpoint "
-                         "to roll back to; exiting", self.rank, why)
-            self.finish()
+                         "to roll back to; exiting", runtime.rank, why)
+            runtime.finish()
             exit_now(status=1)
-        self._applied = iteration
+        runtime.ledger.applied = iteration
         self._held_version = -1
-        self.control.post("rolled_back", rank=self.rank, iteration=iteration, reason=why,
-                          load_s=time.time() - started, time=time.time())
-        logger.warning("rank %d rolled back to the checkpoint of iteration %d: %s", self.rank,
-                       iteration, why)
-        return iteration
+        runtime.control.post("rolled_back", rank=runtime.rank, iteration=iteration, reason=why,
+                             load_s=time.time() - started, time=time.time())
+        logger.warning("rank %d rolled back to the checkpoint of iteration %d: %s",
+                       runtime.rank, iteration, why)
+        return Continuation(iteration, rolled_back=True)
 
-    # -- framework hooks ------------------------------------------------------------------
+    # -- groups, snapshot and state (FrameworkAdapter) ------------------------------------
 
-    def _group_holders(self) -> tuple[list[Any], list[types.ModuleType]]:
+    def init_groups(self) -> None:
+        """DeepSpeed makes its groups when the engine is built (:meth:`build_engine`)."""
+
+    def group_holders(self) -> tuple[list[Any], list[types.ModuleType]]:
         import deepspeed.runtime.pipe.p2p as p2p
         import deepspeed.utils.groups as groups
 
         return [self._engine], [groups, p2p]
 
-    def _after_switch(self) -> None:
+    def after_switch(self) -> None:
         # The joiner's engine announces its activation shapes on its first send; every rank
         # does so again, so that each pair of neighbours agrees.
         if self._engine is not None:
             self._engine.reset_activation_shape()
 
-    def _capture_snapshot(self) -> dict[str, Any]:
+    def teardown(self) -> None:
+        """DeepSpeed's groups go with the process group."""
+
+    def capture_snapshot(self) -> dict[str, Any]:
         snapshot = {"random": random.getstate(), "numpy": np.random.get_state(),
                     "torch": torch.get_rng_state(), "counters": counters(self._engine)}
         if torch.cuda.is_available():
             snapshot["cuda"] = torch.cuda.get_rng_state_all()
         return snapshot
 
-    def _restore_snapshot(self, snapshot: dict[str, Any]) -> None:
+    def restore_snapshot(self, snapshot: dict[str, Any]) -> None:
         random.setstate(snapshot["random"])
         np.random.set_state(snapshot["numpy"])
         torch.set_rng_state(snapshot["torch"])
@@ -331,20 +341,19 @@ class DeepSpeedResilience(ResilienceRuntime):
             torch.cuda.set_rng_state_all(snapshot["cuda"])
         restore_counters(self._engine, snapshot["counters"])
 
-    def _module_tensors(self) -> list[torch.Tensor]:
-        return [tensor.data for _, tensor in
-                sorted(self._engine.module.state_dict(keep_vars=True).items())
-                if isinstance(tensor, torch.Tensor)]
-
-    def _state_tensors(self) -> list[torch.Tensor]:
-        """Parameters and this rank's own shard, and (except while a joiner receives a lost
-        rank's shard) the shard copy it holds; a joiner receives into them, so its optimizer
-        state and held copy are created first."""
+    def state_tensors(self, transfer: Transfer) -> list[torch.Tensor]:
+        """The stage's parameters, and: in a hand-over, this rank's own shard and the shard
+        copy it holds (both ends list the same); from the holder of a lost rank's shard copy,
+        that copy; at that rank's joiner, its own shard, which the copy fills. A receiving
+        joiner's optimizer state and held copy are created first."""
+        module = module_state_tensors(self._engine.module)
+        if transfer is Transfer.COPY_SENT:
+            return module + self._held
         ensure_optimizer_state(self._engine)
         shard = shard_tensors(self._engine)
-        if self._receiving_lost_shard:
-            return self._module_tensors() + shard
-        return self._module_tensors() + shard + self._held_buffers(shard)
+        if transfer is Transfer.COPY_RECEIVED:
+            return module + shard
+        return module + shard + self._held_buffers(shard)
 
     def _held_buffers(self, shard: list[torch.Tensor]) -> list[torch.Tensor]:
         """The held copy, shaped like ``shard``: views into one flat buffer."""
@@ -359,20 +368,16 @@ class DeepSpeedResilience(ResilienceRuntime):
                           zip(self._held_flat.split(sizes), shard)]
         return self._held
 
-    def _state_tensors_for(self, joiner: int) -> list[torch.Tensor]:
-        """What the holder of a lost rank's shard copy sends that rank's joiner."""
-        return self._module_tensors() + self._held
-
-    def _state_blob(self) -> dict[str, Any]:
+    def state_blob(self) -> dict[str, Any]:
         scheduler = self._engine.lr_scheduler
         return {"scheduler": scheduler.state_dict() if scheduler is not None else None,
                 "hyperparameters": hyperparameters(self._engine),
                 "held_of": self._held_of, "held_version": self._held_version}
 
-    def _load_state_blob(self, state: dict[str, Any]) -> None:
+    def load_state(self, state: dict[str, Any], transfer: Transfer) -> None:
         if state["scheduler"] is not None:
             self._engine.lr_scheduler.load_state_dict(state["scheduler"])
         # The scheduler sets the learning rate only after the next update.
         set_hyperparameters(self._engine, state["hyperparameters"])
-        if not self._receiving_lost_shard:  # a leaver's copy comes with its rank
+        if transfer is Transfer.HANDOVER:  # a leaver's copy comes with its rank
             self._held_of, self._held_version = state["held_of"], state["held_version"]

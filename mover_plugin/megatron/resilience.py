@@ -1,5 +1,6 @@
 """The resilience runtime of a Megatron-Core training process (``--resilient``): the
-Megatron-Core adapter of :mod:`mover_plugin.runtime.resilience`, which holds the protocol.
+Megatron-Core adapter (:mod:`mover_plugin.runtime.adapter`) of
+:mod:`mover_plugin.runtime.resilience`, which holds the protocol.
 
 Under ``mover-launch --policy resilient`` every worker runs its training steps through
 :meth:`MegatronResilience.run_step`. When a rank dies, the survivors leave the failed step (a
@@ -62,18 +63,24 @@ from mover_plugin.megatron.standby import (
     warm_up,
 )
 from mover_plugin.progress import ProgressReporter
-from mover_plugin.runtime.control import ControlClient
-from mover_plugin.runtime.resilience import ResilienceRuntime, connect_to_controller
+from mover_plugin.runtime.adapter import Continuation, Transfer
+from mover_plugin.runtime.handover import module_state_tensors
+from mover_plugin.runtime.resilience import ResilienceRuntime
 
 logger = logging.getLogger(__name__)
 
 
-class MegatronResilience(ResilienceRuntime):
-    """The runtime of a Megatron-Core process: the model, optimizer and scheduler it guards."""
+class MegatronResilience:
+    """The runtime of a Megatron-Core process: the model, optimizer and scheduler it guards.
 
-    def __init__(self, args: argparse.Namespace, control: ControlClient,
-                 progress: ProgressReporter) -> None:
-        super().__init__(args.resilience, control, progress)
+    The script calls :meth:`start`, :meth:`initialize_distributed`, :meth:`build_model`,
+    :meth:`attach`, :meth:`first_iteration`, then :meth:`run_step` for every iteration and
+    :meth:`finish`; the :class:`~mover_plugin.runtime.resilience.ResilienceRuntime` it holds
+    calls back the adapter methods below them (:class:`~mover_plugin.runtime.adapter.
+    FrameworkAdapter`).
+    """
+
+    def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self._parallel_kwargs: dict[str, Any] = {}
         self._model: Any = None
@@ -85,8 +92,9 @@ class MegatronResilience(ResilienceRuntime):
         """A standby's model of the role it kept from its warm-up in the sandbox."""
         self._adopted = False
         """Whether this joiner trains with the model it warmed up (rather than a new one)."""
+        self.runtime = ResilienceRuntime.connect(args.resilience, self)
 
-    # -- start-up -------------------------------------------------------------------------
+    # -- what the training script calls ---------------------------------------------------
 
     @classmethod
     def start(cls, args: argparse.Namespace,
@@ -95,48 +103,44 @@ class MegatronResilience(ResilienceRuntime):
         :mod:`mover_plugin.megatron.standby`) and then blocks here until it is promoted."""
         if not getattr(args, "resilient", False):
             return None
-        runtime = cls(args, connect_to_controller(), ProgressReporter.from_env())
-        runtime._start()
-        if runtime.control.standby_id is not None:
+        resilience = cls(args)
+        runtime = resilience.runtime
+        if runtime.is_standby:
             if warm is not None and runtime.settings.standby_shadow_iterations > 0:
-                runtime._warm_up(warm)
-            runtime._wait_for_promotion()
-        return runtime
+                resilience._warm_up(warm)
+            runtime.wait_for_promotion()
+        return resilience
+
+    @property
+    def progress(self) -> ProgressReporter:
+        return self.runtime.progress
 
     def _warm_up(self, warm: StandbyWarmUp) -> None:
-        self._warmed = warm_up(warm, self.world_size, self.settings.standby_shadow_iterations)
+        runtime = self.runtime
+        self._warmed = warm_up(warm, runtime.world_size,
+                               runtime.settings.standby_shadow_iterations)
         if self._warmed is not None:
-            self.control.post("standby_warmed", standby=self.control.standby_id,
-                              time=time.time(), **self._warmed.report)
+            runtime.control.post("standby_warmed", standby=runtime.control.standby_id,
+                                 time=time.time(), **self._warmed.report)
 
     def initialize_distributed(self, **parallel_kwargs: Any) -> None:
         """``init_process_group`` and Megatron's ``initialize_model_parallel`` for this
         generation, with abortable groups."""
         self._parallel_kwargs = dict(parallel_kwargs)
-        self._init_distributed(parallel_layout(self.world_size, parallel_kwargs))
-
-    def _init_framework_groups(self) -> None:
-        from megatron.core import parallel_state
-
-        if self._parallel_kwargs.get("create_gloo_process_groups", True):
-            raise LaunchError("--resilient needs initialize_model_parallel("
-                              "create_gloo_process_groups=False): plain gloo groups can be "
-                              "neither left nor replaced")
-        parallel_state.initialize_model_parallel(**self._parallel_kwargs)
-        cover_world([parallel_state.get_model_parallel_group(),
-                     parallel_state.get_data_parallel_group(with_context_parallel=True)])
+        self.runtime.init_distributed(parallel_layout(self.runtime.world_size, parallel_kwargs))
 
     def build_model(self, build: Callable[[], TrainingObjects]) -> TrainingObjects:
         """This rank's (model, optimizer, scheduler), from ``build()`` after
         :meth:`initialize_distributed`. A promoted standby adopts the model it warmed up when
         its role is this rank's, and otherwise builds with its collectives kept local (their
         results are overwritten by the state it receives from its twin)."""
-        if self.joiner_of is None:
+        runtime = self.runtime
+        if runtime.joiner_of is None:
             return build()
         warmed, self._warmed = self._warmed, None
         if warmed is not None:
-            objects = warmed.adopt(self.rank,
-                                   parallel_layout(self.world_size, self._parallel_kwargs))
+            objects = warmed.adopt(runtime.rank,
+                                   parallel_layout(runtime.world_size, self._parallel_kwargs))
             del warmed
             if objects is not None:
                 self._adopted = True
@@ -149,12 +153,12 @@ class MegatronResilience(ResilienceRuntime):
     def attach(self, model: Any, optimizer: Any, scheduler: Any) -> None:
         """Registers the training objects and puts the commit gate before every update."""
         self._model, self._optimizer, self._scheduler = model, optimizer, scheduler
-        update = optimizer.step_with_ready_grads
+        update, runtime = optimizer.step_with_ready_grads, self.runtime
 
         def gated_update() -> bool:
-            self._commit()
+            runtime.commit()
             applied = update()
-            self._applied = self._step.iteration + 1 if self._step else self._applied + 1
+            runtime.ledger.count_running_iteration()
             return applied
 
         optimizer.step_with_ready_grads = gated_update
@@ -162,94 +166,111 @@ class MegatronResilience(ResilienceRuntime):
 
     def first_iteration(self, load: Callable[[], int]) -> int:
         """The iteration to start from: a joiner's comes from its twin, others ``load()``."""
-        if self.joiner_of is None:
-            return self._begin(load())
-        return self._first_iteration_of_joiner(adopted=self._adopted)
+        if self.runtime.joiner_of is None:
+            return self.runtime.begin(load())
+        return self.runtime.join(adopted=self._adopted)
 
-    def _join(self) -> int:
-        # After a crash the survivors agree on the iteration with the joiner; in a migration
-        # the iteration comes with the leaver's state.
-        target = None if self._joining_migration else self._agree_on_iteration(contribute=False)
-        self._receive_or_exit()
-        return self._applied if target is None else target
+    def run_step(self, iteration: int, step: Callable[[int], Any]) -> tuple[Any, int]:
+        """See :meth:`ResilienceRuntime.run_step`."""
+        return self.runtime.run_step(iteration, step)
 
-    # -- after a crash --------------------------------------------------------------------
+    def finish(self) -> None:
+        self.runtime.finish()
 
-    def _recover(self, plan: dict[str, Any], snapshot: dict[str, Any]) -> int:
+    # -- after a crash (FrameworkAdapter) -------------------------------------------------
+
+    def continue_after_crash(self, plan: dict[str, Any],
+                             snapshot: dict[str, Any]) -> Continuation:
         target = self._agree_on_iteration(contribute=True)
         self._settle_iteration(target, snapshot)
-        for item in plan["replacements"]:
-            if item["twin"] == self.rank:
-                self._send_state(item["rank"], target)
-        return target
+        return Continuation(target, {item["rank"]: item["twin"]
+                                     for item in plan["replacements"]})
+
+    def continue_as_joiner(self) -> Continuation:
+        return Continuation(self._agree_on_iteration(contribute=False))
 
     def _agree_on_iteration(self, *, contribute: bool) -> int:
         """All ranks of the new generation learn the iteration everyone will be at.
 
         A rank of the previous generation contributes its commit record (a survivor
-        interrupted inside ``run_step``, or a stayer at a planned boundary); a joiner, which
-        has none, contributes nothing. A rank that passed the commit but has not applied the
-        update yet counts the iteration as done."""
-        step = self._step
-        mine = None
+        interrupted inside ``run_step``); a joiner, which has none, contributes nothing. A
+        rank that passed the commit but has not applied the update yet counts the iteration as
+        done."""
+        ledger, mine = self.runtime.ledger, None
         if contribute:
+            step = ledger.step
             pending = (step is not None and step.passed_commit
-                       and self._applied == step.iteration)
-            mine = {"applied": self._applied, "passed": pending}
-        records: list[Any] = [None] * self.world_size
+                       and ledger.applied == step.iteration)
+            mine = {"applied": ledger.applied, "passed": pending}
+        records: list[Any] = [None] * self.runtime.world_size
         dist.all_gather_object(records, mine)
         return max(r["applied"] + (1 if r["passed"] else 0) for r in records if r is not None)
 
     def _settle_iteration(self, target: int, snapshot: dict[str, Any]) -> None:
         """Brings this survivor to ``target`` completed iterations."""
-        step = self._step
-        if self._applied == target - 1 and step is not None and step.reached_commit:
+        ledger = self.runtime.ledger
+        step = ledger.step
+        if ledger.applied == target - 1 and step is not None and step.reached_commit:
             # Some rank passed the commit: every rank's gradients were complete.
             self._apply_update()
             self._scheduler.step(increment=self.args.global_batch_size)
-            self._applied = target
-        if self._applied != target:
+            ledger.applied = target
+        if ledger.applied != target:
             raise LaunchError(
-                f"rank {self.rank} completed {self._applied} iterations but the job is at "
-                f"{target}; it cannot catch up"
+                f"rank {self.runtime.rank} completed {ledger.applied} iterations but the job "
+                f"is at {target}; it cannot catch up"
             )
         if step is not None and step.iteration == target:
             # The interrupted iteration is dropped and will be redone from its start.
-            self._restore_snapshot(snapshot)
+            self.restore_snapshot(snapshot)
 
-    # -- framework hooks ------------------------------------------------------------------
+    # -- groups, snapshot and state (FrameworkAdapter) ------------------------------------
 
-    def _group_holders(self) -> tuple[list[Any], list[types.ModuleType]]:
+    def init_groups(self) -> None:
+        from megatron.core import parallel_state
+
+        if self._parallel_kwargs.get("create_gloo_process_groups", True):
+            raise LaunchError("--resilient needs initialize_model_parallel("
+                              "create_gloo_process_groups=False): plain gloo groups can be "
+                              "neither left nor replaced")
+        parallel_state.initialize_model_parallel(**self._parallel_kwargs)
+        cover_world([parallel_state.get_model_parallel_group(),
+                     parallel_state.get_data_parallel_group(with_context_parallel=True)])
+
+    def group_holders(self) -> tuple[list[Any], list[types.ModuleType]]:
         from megatron.core import parallel_state
 
         return [self._model, self._optimizer, self._scheduler], [parallel_state]
 
-    def _capture_snapshot(self) -> dict[str, Any]:
-        return capture_rng_state()
+    def after_switch(self) -> None:
+        forget_agreed_flags(self._optimizer)
 
-    def _restore_snapshot(self, snapshot: dict[str, Any]) -> None:
-        restore_rng_state(snapshot)
-
-    def _teardown_framework(self) -> None:
+    def teardown(self) -> None:
         from megatron.core import parallel_state
 
         parallel_state.destroy_model_parallel()
 
-    def _state_tensors(self) -> list[torch.Tensor]:
-        return [tensor.data for _, tensor in
-                sorted(self._model.module.state_dict(keep_vars=True).items())
-                if isinstance(tensor, torch.Tensor)]
+    def capture_snapshot(self) -> dict[str, Any]:
+        return capture_rng_state()
 
-    def _state_blob(self) -> dict[str, Any]:
+    def restore_snapshot(self, snapshot: dict[str, Any]) -> None:
+        restore_rng_state(snapshot)
+
+    def after_step(self, iteration: int) -> None:
+        pass
+
+    def state_tensors(self, transfer: Transfer) -> list[torch.Tensor]:
+        # A data-parallel twin holds the same replica as the lost rank: every transfer sends
+        # the model's parameters and buffers.
+        return module_state_tensors(self._model.module)
+
+    def state_blob(self) -> dict[str, Any]:
         return {"optimizer": self._optimizer.state_dict(),
                 "scheduler": self._scheduler.state_dict()}
 
-    def _load_state_blob(self, state: dict[str, Any]) -> None:
+    def load_state(self, state: dict[str, Any], transfer: Transfer) -> None:
         self._optimizer.load_state_dict(state["optimizer"])
         self._scheduler.load_state_dict(state["scheduler"])
-        forget_agreed_flags(self._optimizer)
-
-    def _after_switch(self) -> None:
         forget_agreed_flags(self._optimizer)
 
 

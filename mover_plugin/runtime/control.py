@@ -1,8 +1,8 @@
 """A worker's (or standby's) client of the controller: generations, plans, alarms, events.
 
-The launcher gives every process it starts the controller's address (``MOVER_CONTROL_ADDR``,
-``MOVER_CONTROL_PORT``), the current generation (``MOVER_GENERATION``) and, for a standby, its
-id (``MOVER_STANDBY_ID``). Blocking waits use their own store connection, because a TCPStore
+The launcher gives every process it starts the controller's address, the attempt, the current
+generation and, for a standby, its id, in the environment variables of
+:mod:`mover_plugin.contract`. Blocking waits use their own store connection, because a TCPStore
 client serialises its calls: a thread waiting on one would block every other call on it.
 """
 
@@ -18,9 +18,15 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from mover_plugin.errors import LaunchError
-from mover_plugin.launch.mailbox import Mailbox
-from mover_plugin.launch.protocol import (
+from mover_plugin.mailbox import Mailbox, connect_to_controller
+from mover_plugin.contract import (
+    ATTEMPT_ENV,
+    CONTROL_ADDR_ENV,
+    CONTROL_PORT_ENV,
+    EVENTS_MAILBOX,
+    GENERATION_ENV,
     LAYOUT_KEY,
+    STANDBY_ID_ENV,
     SWITCH_GO,
     generation_prefix,
     plan_key,
@@ -40,10 +46,10 @@ class ControlClient:
     def __init__(self, addr: str, port: int, timeout_s: float = 300.0) -> None:
         self._addr, self._port, self._timeout_s = addr, port, timeout_s
         self.store = self._connect()
-        self._events = Mailbox(self.store, "events")
-        self.attempt = int(os.environ.get("MOVER_ATTEMPT", "0"))
-        self.generation = int(os.environ.get("MOVER_GENERATION", "0"))
-        self.standby_id = os.environ.get("MOVER_STANDBY_ID")
+        self._events = Mailbox(self.store, EVENTS_MAILBOX)
+        self.attempt = int(os.environ.get(ATTEMPT_ENV, "0"))
+        self.generation = int(os.environ.get(GENERATION_ENV, "0"))
+        self.standby_id = os.environ.get(STANDBY_ID_ENV)
 
     def clone(self) -> "ControlClient":
         """A client of the same process on a connection of its own (for a thread that must
@@ -56,12 +62,11 @@ class ControlClient:
     @classmethod
     def from_env(cls) -> Optional["ControlClient"]:
         """The client for a process started by ``mover-launch``; None for any other process."""
-        addr, port = os.environ.get("MOVER_CONTROL_ADDR"), os.environ.get("MOVER_CONTROL_PORT")
+        addr, port = os.environ.get(CONTROL_ADDR_ENV), os.environ.get(CONTROL_PORT_ENV)
         return cls(addr, int(port)) if addr and port else None
 
     def _connect(self) -> dist.TCPStore:
-        return dist.TCPStore(self._addr, self._port, is_master=False, wait_for_workers=False,
-                             timeout=timedelta(seconds=self._timeout_s))
+        return connect_to_controller(self._addr, self._port, self._timeout_s)
 
     def generation_store(self, generation: int) -> dist.Store:
         """The namespace generation ``generation``'s process groups rendezvous in."""
@@ -103,7 +108,7 @@ class ControlClient:
     def wait_for_promotion(self) -> dict[str, Any]:
         """A standby blocks here until promoted; returns ``{"rank", "generation"}``."""
         if self.standby_id is None:
-            raise LaunchError("this process is not a standby (MOVER_STANDBY_ID is not set)")
+            raise LaunchError(f"this process is not a standby ({STANDBY_ID_ENV} is not set)")
         return json.loads(self._wait_and_get(promotion_key(self.standby_id)))
 
     def _wait_and_get(self, key: str) -> bytes:

@@ -22,7 +22,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed import PrefixStore, Store
 
 from mover_plugin.comm.process_group import MoverProcessGroup
-from mover_plugin.launch.protocol import handover_prefix
+from mover_plugin.contract import handover_prefix
 
 _SOURCE, _JOINER = 0, 1
 
@@ -59,6 +59,13 @@ def receive_state(group: MoverProcessGroup, tensors: Sequence[torch.Tensor]) -> 
     payload = torch.empty(int(size.item()), dtype=torch.uint8)
     _broadcast(group, payload)
     return pickle.loads(payload.numpy().tobytes())
+
+
+def module_state_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
+    """The tensors of ``module``'s state dict (parameters and buffers) in the order of their
+    names: the same list at a source and at a joiner whose module was built the same way."""
+    return [tensor.data for _, tensor in sorted(module.state_dict(keep_vars=True).items())
+            if isinstance(tensor, torch.Tensor)]
 
 
 def _buckets(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:

@@ -2,8 +2,8 @@
 
 The controller posts a notice for a generation (``alarm``: a rank is lost, leave the step you
 are in; ``prepare``: a planned migration to generation ``next`` begins, build your part of its
-groups; ``switch``: switch to the next generation at the next iteration boundary; ``retire``:
-the generation is over) as a command; every agent reads its commands anyway and writes the
+groups; ``switch``: switch to the next generation at the next iteration boundary; the kinds are
+in :mod:`mover_plugin.contract`) as a command; every agent reads its commands anyway and writes the
 notice as one JSON line into each local process's notice pipe, whose read end the process
 inherited (``MOVER_NOTICE_FD``). The control store thus serves one reader per host, not one
 per rank, and a worker waits on a local pipe: a :class:`NoticeWatcher` thread blocks in
@@ -26,15 +26,9 @@ import selectors
 import threading
 from typing import Any, Callable, Optional
 
+from mover_plugin.contract import ALARM, NOTICE_FD_ENV, PREPARE, SWITCH
+
 logger = logging.getLogger(__name__)
-
-NOTICE_FD_ENV = "MOVER_NOTICE_FD"
-NOTICE_KINDS = ("alarm", "prepare", "switch", "retire")
-
-
-def encode_notice(notice: dict[str, Any]) -> bytes:
-    """One notice as the line the agent writes into a worker's pipe."""
-    return (json.dumps(notice, separators=(",", ":")) + "\n").encode()
 
 
 class NoticeWatcher:
@@ -127,9 +121,11 @@ class NoticeWatcher:
                 self._dispatch(notice)
 
     def _dispatch(self, notice: dict[str, Any]) -> None:
-        if notice["kind"] == "alarm":
+        if notice["kind"] == ALARM:
             self._on_alarm(notice.get("reason", "alarm"))
-        elif notice["kind"] == "switch":
+        elif notice["kind"] == SWITCH:
             self._on_switch()
-        elif notice["kind"] == "prepare":
+        elif notice["kind"] == PREPARE:
             self._on_prepare(notice["next"])
+        else:
+            logger.warning("ignored a notice of unknown kind %r", notice["kind"])

@@ -12,11 +12,8 @@ import os
 import sys
 from typing import Callable, TypeVar
 
+from mover_plugin.contract import PREFLIGHT_ENV, PREFLIGHT_ERROR, PREFLIGHT_OK
 from mover_plugin.errors import ConfigError
-
-PREFLIGHT_ENV = "MOVER_PREFLIGHT"
-PREFLIGHT_OK = "MOVER_PREFLIGHT_OK"
-PREFLIGHT_ERROR = "MOVER_PREFLIGHT_ERROR"
 
 Parsed = TypeVar("Parsed")
 

@@ -1,4 +1,4 @@
-"""Ordered JSON messages over a c10d store.
+"""Ordered JSON messages over a c10d store, and the connection to the controller's store.
 
 A mailbox is a counter key plus one key per message. Any number of writers post; each reader
 keeps its own cursor and reads every message once, in posting order. The controller posts
@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from datetime import timedelta
 from typing import Any, Optional
 
 import torch.distributed as dist
@@ -25,6 +26,13 @@ logger = logging.getLogger(__name__)
 HOLE_TIMEOUT_S = 2.0
 """How long a reader waits for a message whose number was taken before stepping over it (a
 live writer writes it right after taking the number)."""
+
+
+def connect_to_controller(addr: str, port: int, timeout_s: float) -> dist.TCPStore:
+    """A client of the controller's store; waits up to ``timeout_s`` for it to listen (and
+    uses that timeout for every call)."""
+    return dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
 
 
 class Mailbox:

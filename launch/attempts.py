@@ -1,0 +1,113 @@
+"""Attempts and the standby pool: the controller's unit that starts the workers and ends the job.
+
+Each start of the workers is an *attempt*. Each attempt begins a new generation and
+rendezvouses on a fresh store the controller hosts, so keys of a failed attempt can never
+confuse the next. The agents start each host's standby processes with its workers; this unit
+keeps the pool of the ready ones, and once every standby of the attempt is ready (at once
+without standbys) tells the workers they may train and arms the injected failures. When every
+node reports its workers done, the job ends and the summary gets the workers' statistics.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from typing import Mapping, Optional
+
+import torch.distributed as dist
+
+from mover_plugin.contract import standbys_ready_key
+from mover_plugin.generations import Membership
+from mover_plugin.launch.context import AttemptState, Context, Event, EventHandler, Unit
+
+logger = logging.getLogger(__name__)
+
+
+class Attempts(Unit):
+    def __init__(self, ctx: Context) -> None:
+        self._ctx = ctx
+        self._armed = False
+
+    def handlers(self) -> Mapping[str, EventHandler]:
+        return {"standby_ready": self._on_standby_ready,
+                "standby_warmed": self._on_standby_warmed,
+                "standby_exit": self._on_standby_exit, "node_busy": self._on_node_busy,
+                "node_done": self._on_node_done}
+
+    def start(self, attempt: int) -> None:
+        """Starts every worker (and standby) afresh as attempt ``attempt``."""
+        ctx = self._ctx
+        previous, ctx.attempt = ctx.attempt, AttemptState(number=attempt)
+        ctx.begin_generation(ctx.job.last_generation + 1)
+        ctx.job.membership = Membership(ctx.job.generation, {r: f"a{attempt}.r{r}" for r in
+                                                             range(ctx.config.world_size)})
+        ctx.attempt.store = dist.TCPStore(ctx.config.master_addr, 0, is_master=True,
+                                          wait_for_workers=False)
+        del previous  # the old attempt's workers are gone; its store can close
+        ctx.post({"op": "start", "attempt": attempt, "generation": ctx.job.generation,
+                  "store_port": ctx.attempt.store.port})
+        self._arm_when_provisioned()
+        ctx.record("attempt_start", "job", attempt=attempt)
+        logger.info("attempt %d: starting %d workers", attempt, ctx.config.world_size)
+
+    def _arm_when_provisioned(self) -> None:
+        """Once every standby of the attempt is ready (at once without): the workers may
+        start training, and injected failures are armed."""
+        ctx = self._ctx
+        if len(ctx.attempt.pool) < ctx.config.standbys * len(ctx.job.nodes):
+            return
+        ctx.store.set(standbys_ready_key(ctx.attempt.number), "1")
+        if not self._armed:
+            self._armed = True
+            ctx.post({"op": "arm"})
+
+    # -- the standby pool -------------------------------------------------------------------
+
+    def _on_standby_ready(self, event: Event) -> Optional[int]:
+        pool = self._ctx.attempt.pool
+        pool.add(event["standby"], event["node"])
+        self._ctx.record("standby_ready", "pool", when=event["time"],
+                         standby=event["standby"], pool=len(pool))
+        self._arm_when_provisioned()
+        return None
+
+    def _on_standby_warmed(self, event: Event) -> Optional[int]:
+        """A standby played every pipeline role in its sandbox (it reports ready next)."""
+        report = {key: value for key, value in event.items()
+                  if key not in ("kind", "attempt", "time", "generation")}
+        self._ctx.record("standby_warmed", "pool", when=event["time"], **report)
+        return None
+
+    def _on_standby_exit(self, event: Event) -> Optional[int]:
+        pool = self._ctx.attempt.pool
+        removed = pool.remove(event["standby"])
+        self._ctx.record("standby_lost", "pool", when=event["time"], standby=event["standby"],
+                         how=event["how"], pool=len(pool), was_ready=removed)
+        logger.warning("standby %s exited (%s); %d standby(s) left", event["standby"],
+                       event["how"], len(pool))
+        return None
+
+    # -- the end of the job -----------------------------------------------------------------
+
+    def _on_node_busy(self, event: Event) -> Optional[int]:
+        """A host whose ranks had all moved away got one again (a standby promoted there)."""
+        self._ctx.attempt.done.pop(event["node"], None)
+        return None
+
+    def _on_node_done(self, event: Event) -> Optional[int]:
+        attempt = self._ctx.attempt
+        attempt.done[event["node"]] = event["steps_completed"]
+        attempt.finished_workers.extend(event["workers"])
+        if set(attempt.done) != self._ctx.job.nodes:
+            return None
+        summary = self._ctx.summary
+        summary.steps_completed = min(
+            (steps for steps in attempt.done.values() if steps is not None), default=None)
+        workers = attempt.finished_workers
+        rss = [w["peak_rss_mb"] for w in workers if w["peak_rss_mb"] is not None]
+        steps = [w["median_step_s"] for w in workers if w["median_step_s"] is not None]
+        summary.worker_peak_rss_mb = max(rss) if rss else None
+        summary.median_step_time_s = statistics.median(steps) if steps else None
+        cpu = [w["cpu_per_step_s"] for w in workers if w.get("cpu_per_step_s") is not None]
+        summary.median_cpu_per_step_s = statistics.median(cpu) if cpu else None
+        return 0

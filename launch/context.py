@@ -1,0 +1,175 @@
+"""What the controller's units share: the state of its three lifetimes and the control store.
+
+The controller (:mod:`mover_plugin.launch.controller`) divides its work among *units*, each
+acting on some kinds of events (:class:`Unit`). They share one :class:`Context`: the job's
+settings, its control store, the ``commands`` mailbox, the run summary and the event log, and
+the state of three lifetimes:
+
+* :class:`JobState` — the whole job: the nodes, the node of each rank, which process holds
+  each rank, the generation numbers and the interruption in progress;
+* :class:`AttemptState` — one start of every worker (a restart begins a new one): whether it
+  failed, what the agents reported of its workers, its standby pool and its rendezvous store;
+* :class:`GenerationState` — one membership of the running workers: when each rank reported
+  ready, its first step, and that it switched to the generation.
+
+Generation ``g`` is one membership of the running workers; its process groups live under the
+store prefix ``gen{g}/`` of the control store, so keys of an earlier generation can never
+satisfy a new rendezvous. The context's operations on the store (:meth:`Context.begin_generation`,
+:meth:`Context.plan_generation`, :meth:`Context.promote`, :meth:`Context.notify`) are the ones
+every kind of recovery builds on.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional
+
+import torch.distributed as dist
+
+from mover_plugin.contract import (
+    CURRENT_GENERATION_KEY,
+    LAYOUT_KEY,
+    NOTICE_KINDS,
+    plan_key,
+    promotion_key,
+    successor_key,
+)
+from mover_plugin.generations import Membership, Replacement, StandbyPool
+from mover_plugin.launch.config import LaunchConfig
+from mover_plugin.launch.eventlog import EventLog
+from mover_plugin.launch.summary import Interruption, RunSummary
+from mover_plugin.layout import ParallelLayout
+from mover_plugin.mailbox import Mailbox
+
+logger = logging.getLogger(__name__)
+
+Event = dict[str, Any]
+"""One event from an agent or a worker, valid by :func:`mover_plugin.contract.event_problem`."""
+EventHandler = Callable[[Event], Optional[int]]
+"""Acts on one event; returns the launcher's exit code when the job ends, else None."""
+
+
+class Unit:
+    """One part of the controller's work: it declares the event kinds it handles."""
+
+    ANY_ATTEMPT: frozenset[str] = frozenset()
+    """Kinds this unit takes whatever their attempt (the controller drops the other kinds'
+    events of an earlier attempt: late reports about workers that are gone)."""
+
+    def handlers(self) -> Mapping[str, EventHandler]:
+        """The handler of each event kind this unit acts on."""
+        raise NotImplementedError
+
+
+@dataclass
+class JobState:
+    nodes: set[int]
+    node_of_rank: dict[int, int]
+    """The node (host) each global rank runs on now."""
+    generation: int = -1
+    last_generation: int = -1
+    """The highest generation number planned so far (a cancelled one is never reused)."""
+    membership: Membership = field(default_factory=lambda: Membership(0, {}))
+    interruption: Optional[Interruption] = None
+    """The interruption in progress, until every rank completed a step after it."""
+
+
+@dataclass
+class AttemptState:
+    number: int = -1
+    store: Optional[dist.TCPStore] = None
+    """The store the attempt's workers rendezvous on (env://)."""
+    failed: bool = False
+    """A restart of this attempt is under way."""
+    stopped: dict[int, list[Event]] = field(default_factory=dict)
+    """Per node: the progress of each worker it stopped."""
+    started: dict[int, float] = field(default_factory=dict)
+    done: dict[int, Optional[int]] = field(default_factory=dict)
+    """Per node whose workers all finished: the steps they completed."""
+    finished_workers: list[Event] = field(default_factory=list)
+    pool: StandbyPool = field(default_factory=StandbyPool)
+
+
+@dataclass
+class GenerationState:
+    ready: dict[int, float] = field(default_factory=dict)
+    first_step: dict[int, float] = field(default_factory=dict)
+    switched: dict[int, float] = field(default_factory=dict)
+
+
+class Context:
+    """The settings, the control plane and the state the controller's units share."""
+
+    def __init__(self, config: LaunchConfig, store: dist.Store, summary: RunSummary,
+                 log: EventLog, commands: Mailbox) -> None:
+        self.config = config
+        self.store = store
+        self.summary = summary
+        self.log = log
+        self.commands = commands
+        self.job = JobState(nodes={node.node_rank for node in config.nodes},
+                            node_of_rank={r: n.node_rank for n in config.nodes for r in n.ranks})
+        self.attempt = AttemptState()
+        self.generation = GenerationState()
+
+    def record(self, event: str, phase: str, **fields: Any) -> None:
+        """An event-log record, of the current generation unless ``generation`` is given."""
+        fields.setdefault("generation", self.job.generation)
+        self.log.write(event, phase, **fields)
+
+    def post(self, command: dict[str, Any]) -> None:
+        """A command to the agents."""
+        self.commands.post(command)
+
+    def notify(self, generation: int, kind: str, **fields: Any) -> None:
+        """A notice to generation ``generation``'s processes (the agents relay it)."""
+        assert kind in NOTICE_KINDS, kind
+        self.post({"op": "notice", "generation": generation, "kind": kind, **fields})
+
+    def begin_generation(self, generation: int) -> None:
+        self.job.generation = generation
+        self.job.last_generation = max(self.job.last_generation, generation)
+        self.store.set(CURRENT_GENERATION_KEY, str(generation))
+        self.generation = GenerationState()
+
+    def plan_generation(self, record: dict[str, Any], *, link: bool = True) -> int:
+        """Starts the generation after the current one with ``record`` as its plan, and
+        (with ``link``; a migration does it at its point of no return) tells the current one's
+        processes which generation follows theirs. Returns the generation it follows."""
+        old, new = self.job.generation, self.job.last_generation + 1
+        self.begin_generation(new)
+        self.store.set(plan_key(new), json.dumps({"generation": new, **record}))
+        if link:
+            self.store.set(successor_key(old), str(new))
+        return old
+
+    def restore_generation(self, generation: int) -> None:
+        """Goes back to ``generation`` (a planned one was called off) and tells the agents."""
+        self.job.generation = generation
+        self.store.set(CURRENT_GENERATION_KEY, str(generation))
+        self.post({"op": "generation", "generation": generation})
+
+    def promote(self, plan: list[Replacement], *, migration: bool) -> None:
+        """Hands each planned rank to its standby (the agents relabel the processes) and moves
+        the agents to the new generation."""
+        for item in plan:
+            self.store.set(promotion_key(item.standby),
+                           json.dumps({"rank": item.rank, "generation": self.job.generation,
+                                       "migration": migration}))
+            self.post({"op": "promote", "standby": item.standby, "rank": item.rank,
+                       "migration": migration})
+            self.job.node_of_rank[item.rank] = item.node
+        self.post({"op": "generation", "generation": self.job.generation})
+
+    def layout(self) -> Optional[ParallelLayout]:
+        """The parallel layout rank 0 published; None before the workers trained."""
+        if not self.store.check([LAYOUT_KEY]):
+            return None
+        raw = json.loads(self.store.get(LAYOUT_KEY))
+        return ParallelLayout(tp=raw["tp"], pp=raw["pp"], dp=raw["dp"])
+
+    def interrupted(self) -> bool:
+        """Whether an interruption is in progress or a restart under way."""
+        return self.job.interruption is not None or self.attempt.failed

@@ -1,0 +1,153 @@
+"""Crash recovery: the controller's unit that recovers the job from a lost worker.
+
+With the ``restart`` policy a failed worker makes the controller stop every worker and start
+all again as a new attempt (up to ``max_restarts`` times); the script resumes from its latest
+checkpoint.
+
+With the ``resilient`` policy, when a worker dies (or is found hung, and killed) the controller
+plans generation ``g + 1`` (:func:`mover_plugin.generations.plan_recovery`): a ready standby
+takes the lost global rank and copies a data-parallel twin. It publishes the plan
+(``gen{g+1}/plan``), sends generation ``g`` an alarm notice (relayed by the agents: survivors
+leave the failed step), and promotes the standby. Without a standby or a twin it falls back to
+the restart policy, and the event log says why.
+
+A unit that coordinates a change of the job (a planned migration) has the first say over a
+failure while its change is under way: it registers as a :class:`Coordinator`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Literal, Mapping, Optional, Protocol, Union
+
+from mover_plugin.generations import Fallback, Replacement, plan_recovery
+from mover_plugin.launch.attempts import Attempts
+from mover_plugin.launch.context import Context, Event, EventHandler, Unit
+from mover_plugin.launch.summary import Interruption
+from mover_plugin.launch.timing import InterruptionTiming, note_last_step
+
+logger = logging.getLogger(__name__)
+
+HANDLED: Literal["handled"] = "handled"
+Claim = Union[Literal["handled"], list[int], None]
+"""A coordinator's answer about a failure: None (not its concern), :data:`HANDLED` (the job
+goes on without a recovery now) or the ranks to recover."""
+
+
+class Coordinator(Protocol):
+    """A unit coordinating a change of the job that a rank's exit can affect."""
+
+    def rank_finished(self, rank: int) -> None:
+        """The worker of ``rank`` exited 0: it finished training."""
+
+    def claim_failure(self, event: Event, *, leaver: bool) -> Claim:
+        """A process died (``leaver``: one handing its rank over); see :data:`Claim`."""
+
+
+class CrashRecovery(Unit):
+    def __init__(self, ctx: Context, timing: InterruptionTiming, attempts: Attempts) -> None:
+        self._ctx = ctx
+        self._timing = timing
+        self._attempts = attempts
+        self._coordinators: list[Coordinator] = []
+
+    def handlers(self) -> Mapping[str, EventHandler]:
+        return {"worker_exit": self._on_worker_exit, "stopped": self._on_stopped}
+
+    def add_coordinator(self, coordinator: Coordinator) -> None:
+        self._coordinators.append(coordinator)
+
+    def on_failure(self, event: Event, *, leaver: bool = False) -> Optional[int]:
+        """Recovers from the loss of ``event['rank']``'s process; returns the launcher's exit
+        code when the job must end (no restart left)."""
+        lost = self._lost_ranks(event, leaver)
+        if lost is None:
+            return None
+        rank = event["rank"]
+        interruption = self._timing.record_failure(event)
+        self._ctx.record("worker_failed", "detect", rank=rank, when=event["time"],
+                         how=event["how"], step=event["step_begun"], leaver=leaver or None)
+        logger.warning("rank %d failed at step %d (%s)", rank, event["step_begun"], event["how"])
+        if self._ctx.config.policy == "resilient":
+            plan = plan_recovery(lost, self._ctx.layout(), self._ctx.attempt.pool,
+                                 self._ctx.job.node_of_rank)
+            if not isinstance(plan, Fallback):
+                self._switch_generation(plan, interruption)
+                return None
+            self._ctx.record("fallback", "fallback", rank=rank, reason=plan.reason)
+            logger.warning("falling back to a restart: %s", plan.reason)
+        return self._restart(interruption)
+
+    def _lost_ranks(self, event: Event, leaver: bool) -> Optional[list[int]]:
+        """The ranks to recover, or None when a coordinator handled the failure."""
+        for coordinator in self._coordinators:
+            claim = coordinator.claim_failure(event, leaver=leaver)
+            if claim == HANDLED:
+                return None
+            if claim is not None:
+                return claim
+        return [event["rank"]]
+
+    def _switch_generation(self, plan: list[Replacement], interruption: Interruption) -> None:
+        ctx = self._ctx
+        ctx.job.membership = ctx.job.membership.next_generation(plan)
+        old = ctx.plan_generation({"world_size": ctx.config.world_size,
+                                   "replacements": [vars(item) for item in plan]})
+        ctx.notify(old, "alarm", reason=f"rank {interruption.rank} lost")
+        ctx.promote(plan, migration=False)
+        now = time.time()
+        interruption.recovery = "standby"
+        interruption.generation = ctx.job.generation
+        interruption.mark("alarm", now)
+        self._timing.note_left(interruption)
+        for item in plan:
+            ctx.record("promote", "switch", rank=item.rank, when=now, standby=item.standby,
+                       twin=item.twin)
+        logger.info("generation %d: %s", ctx.job.generation,
+                    ", ".join(f"rank {i.rank} <- standby {i.standby} (twin {i.twin})"
+                              for i in plan))
+
+    def _restart(self, interruption: Interruption) -> Optional[int]:
+        """Stops every worker of the attempt (they start again once all are stopped)."""
+        ctx = self._ctx
+        interruption.recovery = "restart"
+        ctx.attempt.failed = True
+        if ctx.summary.restarts >= ctx.config.max_restarts:
+            logger.error("no restart left (--max-restarts %d); stopping the job",
+                         ctx.config.max_restarts)
+            return 1
+        ctx.post({"op": "stop", "attempt": ctx.attempt.number})
+        return None
+
+    def _on_worker_exit(self, event: Event) -> Optional[int]:
+        ctx = self._ctx
+        if event["returncode"] == 0:
+            for coordinator in self._coordinators:
+                coordinator.rank_finished(event["rank"])
+            return None
+        if event.get("standby") is not None and (
+                ctx.job.membership.members.get(event["rank"]) != event["standby"]):
+            # A joiner stopped after its migration failed, exiting before it was reaped.
+            ctx.record("discarded_exit", "migrate", rank=event["rank"],
+                       standby=event["standby"], how=event["how"])
+            return None
+        if ctx.attempt.failed:  # a restart of this attempt is under way already
+            logger.info("rank %d also exited (%s)", event["rank"], event["how"])
+            return None
+        return self.on_failure(event)
+
+    def _on_stopped(self, event: Event) -> Optional[int]:
+        """An agent stopped its workers; once every agent has, the next attempt starts."""
+        ctx = self._ctx
+        ctx.attempt.stopped[event["node"]] = event["workers"]
+        if ctx.job.interruption is not None:
+            note_last_step(ctx.job.interruption, event["workers"])
+        if set(ctx.attempt.stopped) != ctx.job.nodes:
+            return None
+        if ctx.job.interruption is not None:
+            ctx.job.interruption.mark("stopped", time.time())
+        ctx.summary.restarts += 1
+        ctx.record("restart", "restart")
+        self._attempts.start(ctx.attempt.number + 1)
+        return None

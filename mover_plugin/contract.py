@@ -1,0 +1,214 @@
+"""The contract between the launcher (controller and agents) and the processes it starts.
+
+Both sides import this module and nothing of each other: the environment variables an agent
+sets for a worker or standby, the keys of the control-plane store, the names of its
+mailboxes, the notices the controller sends a generation's processes, and the events the
+agents and workers post to the controller, each kind with the fields it carries.
+
+**Store keys.**
+
+* ``gen/current`` — the current generation number;
+* ``gen{g}/...`` — generation ``g``'s namespace: its process groups rendezvous under it;
+* ``gen{g}/plan`` — how generation ``g`` was formed (JSON: replacements with their twins);
+* ``gen{g}/next`` — the generation that follows ``g`` (a planned generation that was
+  abandoned, e.g. a migration whose joiner died, is skipped, its namespace never reused). For a
+  migration it is set only at the migration's point of no return, once every rank of ``g`` has
+  ended the switch iteration: until then a rank lost in ``g`` is recovered in a generation
+  planned from ``g``;
+* ``gen{g}/switch`` — for a migration's generation ``g``: ``go`` once every rank of the old
+  generation ended the switch iteration (the leavers exit, the others switch), or ``cancel``
+  (the processes of the old generation go on in it; a crash that cancelled it is recovered
+  from there);
+* ``gen{g}/handover/{rank}/`` — the two-process group over which the process that hands
+  ``rank`` over (the leaver, or a data-parallel twin after a crash) sends its state to the
+  process that takes it;
+* ``standby/{id}/promote`` — the rank and generation a standby takes over (JSON);
+* ``attempt{a}/standbys_ready`` — set once every standby of attempt ``a`` is ready (a resilient
+  job's workers wait for it, bounded, before their first step);
+* ``job/layout`` — the parallel layout (JSON ``tp``, ``pp``, ``dp``) published by rank 0;
+* the mailboxes (:mod:`mover_plugin.mailbox`): ``commands`` (controller to agents; they include
+  the notices to a generation's processes, which the agents relay to their workers), ``events``
+  (agents and workers to the controller) and ``requests`` (operator requests: ``mover status``,
+  ``mover migrate``), answered under ``request/{id}/reply`` (accepted or rejected) and
+  ``request/{id}/done`` (finished).
+
+**Events** form a closed set (:data:`EVENTS`): each kind names the fields it must carry and
+their JSON types. :func:`event_problem` says what is wrong with an event that the controller
+must not act on (an unknown kind, a missing field, a field of the wrong type).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Union
+
+# -- environment of a process started by an agent ---------------------------------------------
+
+CONTROL_ADDR_ENV = "MOVER_CONTROL_ADDR"
+CONTROL_PORT_ENV = "MOVER_CONTROL_PORT"
+"""The controller's store, which outlives every rank."""
+ATTEMPT_ENV = "MOVER_ATTEMPT"
+"""The attempt (one start of every worker) the process belongs to."""
+GENERATION_ENV = "MOVER_GENERATION"
+"""The generation current when the process was started."""
+STANDBY_ID_ENV = "MOVER_STANDBY_ID"
+"""Set for a standby only: its id in the controller's pool."""
+NOTICE_FD_ENV = "MOVER_NOTICE_FD"
+"""The read end of the pipe the agent writes the controller's notices into."""
+PROGRESS_FD_ENV = "MOVER_PROGRESS_FD"
+"""The write end of the pipe the process reports its progress and heartbeats on."""
+PREFLIGHT_ENV = "MOVER_PREFLIGHT"
+"""``1`` when the launcher runs the script once to check its flags, before any worker."""
+PREFLIGHT_OK = "MOVER_PREFLIGHT_OK"
+PREFLIGHT_ERROR = "MOVER_PREFLIGHT_ERROR"
+"""The line prefixes a flag check answers with (stdout, stderr)."""
+
+# -- store keys ---------------------------------------------------------------------------------
+
+CURRENT_GENERATION_KEY = "gen/current"
+LAYOUT_KEY = "job/layout"
+SWITCH_GO = "go"
+SWITCH_CANCEL = "cancel"
+
+COMMANDS_MAILBOX = "commands"
+EVENTS_MAILBOX = "events"
+REQUESTS_MAILBOX = "requests"
+
+
+def generation_prefix(generation: int) -> str:
+    return f"gen{generation}"
+
+
+def plan_key(generation: int) -> str:
+    return f"gen{generation}/plan"
+
+
+def standbys_ready_key(attempt: int) -> str:
+    return f"attempt{attempt}/standbys_ready"
+
+
+def successor_key(generation: int) -> str:
+    return f"gen{generation}/next"
+
+
+def switch_decision_key(generation: int) -> str:
+    return f"gen{generation}/switch"
+
+
+def promotion_key(standby: str) -> str:
+    return f"standby/{standby}/promote"
+
+
+def handover_prefix(generation: int, rank: int) -> str:
+    return f"gen{generation}/handover/{rank}/"
+
+
+def request_reply_key(request_id: str) -> str:
+    return f"request/{request_id}/reply"
+
+
+def request_done_key(request_id: str) -> str:
+    return f"request/{request_id}/done"
+
+
+# -- notices: controller to a generation's processes ----------------------------------------------
+
+ALARM = "alarm"
+"""A rank of the generation is lost: leave the step you are in (field ``reason``)."""
+PREPARE = "prepare"
+"""A planned migration to generation ``next`` begins: build your part of its groups."""
+SWITCH = "switch"
+"""Switch to the migration's generation at the next iteration boundary."""
+NOTICE_KINDS = (ALARM, PREPARE, SWITCH)
+
+
+def encode_notice(notice: dict[str, Any]) -> bytes:
+    """One notice as the line the agent writes into a worker's notice pipe."""
+    return (json.dumps(notice, separators=(",", ":")) + "\n").encode()
+
+# -- events: agents and workers to the controller -------------------------------------------------
+
+JsonType = Union[type, tuple[type, ...]]
+NUMBER: tuple[type, ...] = (int, float)
+OPTIONAL_INT: tuple[type, ...] = (int, type(None))
+OPTIONAL_STR: tuple[type, ...] = (str, type(None))
+OPTIONAL_NUMBER: tuple[type, ...] = (int, float, type(None))
+
+
+@dataclass(frozen=True)
+class EventSchema:
+    """The fields an event kind must carry, with their JSON types (besides the envelope:
+    ``kind``, ``attempt`` and ``time`` on every event, and ``node`` on an agent's). Other
+    fields may come along; the controller reads only these."""
+
+    required: Mapping[str, JsonType] = field(default_factory=dict)
+    from_agent: bool = True
+
+
+ENVELOPE: Mapping[str, JsonType] = {"kind": str, "attempt": int, "time": NUMBER}
+_EXIT = {"rank": OPTIONAL_INT, "returncode": int, "how": str, "step_begun": int}
+
+EVENTS: Mapping[str, EventSchema] = {
+    # posted by an agent about its host and the processes it started
+    "joined": EventSchema({"host": str, "nproc": int, "pid": int}),
+    "started": EventSchema({"pids": dict}),
+    "stopped": EventSchema({"workers": list}),
+    "node_busy": EventSchema(),
+    "node_done": EventSchema({"steps_completed": OPTIONAL_INT, "workers": list}),
+    "ready": EventSchema({"rank": int, "step": int}),
+    "first_step": EventSchema({"rank": int, "step": int}),
+    "busy": EventSchema({"step": int, "ranks": dict}),
+    "injected": EventSchema({"rank": int, "step": int, "signal": str}),
+    "migration_due": EventSchema({"rank": int, "step": int, "fault": OPTIONAL_STR}),
+    "worker_exit": EventSchema(_EXIT),
+    "leaver_exit": EventSchema(_EXIT),
+    "hung": EventSchema({"rank": OPTIONAL_INT, "silent_s": NUMBER}),
+    "standby_ready": EventSchema({"standby": str}),
+    "standby_exit": EventSchema({"standby": str, "returncode": int, "how": str}),
+    # posted by a worker or standby through its control client
+    "standby_warmed": EventSchema({"standby": str}, from_agent=False),
+    "left_step": EventSchema({"rank": int, "generation": int}, from_agent=False),
+    "switched": EventSchema({"rank": int, "generation": int}, from_agent=False),
+    "rolled_back": EventSchema({"rank": int, "generation": int, "iteration": int,
+                                "reason": str, "load_s": NUMBER}, from_agent=False),
+    "prepared": EventSchema({"rank": int, "generation": int}, from_agent=False),
+    "groups_prepared": EventSchema({"rank": int, "generation": int, "build_s": NUMBER,
+                                    "rebuilt": int, "kept": int}, from_agent=False),
+    "boundary": EventSchema({"rank": int, "generation": int, "iteration": int,
+                             "step_s": NUMBER, "migration": int}, from_agent=False),
+    "switch_cancelled": EventSchema({"rank": int, "generation": int, "migration": int},
+                                    from_agent=False),
+    "left": EventSchema({"rank": int, "generation": int, "migration": int}, from_agent=False),
+}
+"""Every event kind the controller acts on."""
+
+
+def event_problem(event: Any) -> Optional[str]:
+    """What makes ``event`` one the controller must not act on, or None when it is valid."""
+    if not isinstance(event, dict):
+        return f"an event must be a JSON object, got {type(event).__name__}"
+    kind = event.get("kind")
+    schema = EVENTS.get(kind) if isinstance(kind, str) else None
+    if schema is None:
+        return f"unknown event kind {kind!r}"
+    required = {**ENVELOPE, **({"node": int} if schema.from_agent else {}), **schema.required}
+    for name, expected in required.items():
+        if name not in event:
+            return f"{kind} event without its field {name!r}"
+        if not _is_json_type(event[name], expected):
+            return (f"{kind} event: field {name!r} is {type(event[name]).__name__}, "
+                    f"expected {_type_names(expected)}")
+    return None
+
+
+def _is_json_type(value: Any, expected: JsonType) -> bool:
+    types = expected if isinstance(expected, tuple) else (expected,)
+    if isinstance(value, bool) and bool not in types:
+        return False  # JSON true is not a number
+    return isinstance(value, types)
+
+
+def _type_names(expected: JsonType) -> str:
+    types = expected if isinstance(expected, tuple) else (expected,)
+    return " or ".join("null" if t is type(None) else t.__name__ for t in types)

@@ -1,0 +1,104 @@
+"""What the resilience runtime asks of a training framework: the adapter protocol.
+
+The runtime (:mod:`mover_plugin.runtime.resilience`) holds the protocol of generations,
+alarms, commits, switches and state transfer; a framework adapter
+(:mod:`mover_plugin.megatron.resilience`, :mod:`mover_plugin.deepspeed.resilience`) implements
+:class:`FrameworkAdapter` and is handed to the runtime, which calls it at these points only:
+
+- **groups** — :meth:`~FrameworkAdapter.init_groups` right after ``init_process_group``;
+  :meth:`~FrameworkAdapter.group_holders`, the objects and modules whose cached references to
+  replaced groups the runtime rewrites; :meth:`~FrameworkAdapter.after_switch` once the new
+  generation's groups are in place; :meth:`~FrameworkAdapter.teardown` before a leaver exits;
+- **the step** — :meth:`~FrameworkAdapter.capture_snapshot` at the start of every step (what a
+  redone iteration starts from besides the model and optimizer: RNG states, the framework's
+  counters) and :meth:`~FrameworkAdapter.restore_snapshot`; :meth:`~FrameworkAdapter.after_step`
+  at the end of every completed step;
+- **after a crash** — :meth:`~FrameworkAdapter.continue_after_crash` at a survivor and
+  :meth:`~FrameworkAdapter.continue_as_joiner` at a joiner: the ranks agree on the iteration
+  they continue from (or roll back), the survivor settles its interrupted step, and the
+  answer names which live rank sends each joiner its state; the runtime then does the sending;
+- **state** — :meth:`~FrameworkAdapter.state_tensors` (sent and received in place) and
+  :meth:`~FrameworkAdapter.state_blob` / :meth:`~FrameworkAdapter.load_state` (everything
+  else), for each kind of :class:`Transfer`.
+
+An adapter reads and counts the rank's progress through the runtime's public
+:class:`~mover_plugin.runtime.ledger.StepLedger` and enters the commit through
+:meth:`ResilienceRuntime.commit <mover_plugin.runtime.resilience.ResilienceRuntime.commit>`.
+"""
+
+from __future__ import annotations
+
+import enum
+import types
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+
+class Transfer(enum.Enum):
+    """Which state travels to a joiner, from whom."""
+
+    HANDOVER = "handover"
+    """A leaver's own state to the joiner that takes its rank (a planned migration); the two
+    ends list the same tensors."""
+    COPY_SENT = "copy sent"
+    """A survivor sends the copy it holds of a lost rank's state (its data-parallel twin's
+    replica, or a peer copy of its shard)."""
+    COPY_RECEIVED = "copy received"
+    """The joiner of a lost rank receives that copy."""
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """Where the ranks of a new generation continue after a crash."""
+
+    iteration: int
+    """The iteration every rank is at (completed iterations)."""
+    senders: dict[int, int] = field(default_factory=dict)
+    """For each lost rank, the live rank that sends its joiner the state (empty after a
+    rollback)."""
+    rolled_back: bool = False
+    """Every rank rolled back to the last checkpoint instead of continuing in place."""
+
+
+class FrameworkAdapter(Protocol):
+    """The framework side of the resilience runtime (see the module docstring)."""
+
+    def init_groups(self) -> None:
+        """The framework's own groups, right after ``init_process_group``."""
+
+    def group_holders(self) -> tuple[list[Any], list[types.ModuleType]]:
+        """The objects and modules whose cached references to groups are rewritten."""
+
+    def after_switch(self) -> None:
+        """Runs once this rank's groups of the new generation are in place."""
+
+    def teardown(self) -> None:
+        """Releases the framework's groups before a leaver exits."""
+
+    def capture_snapshot(self) -> dict[str, Any]:
+        """What a redone iteration starts from besides the model and optimizer."""
+
+    def restore_snapshot(self, snapshot: dict[str, Any]) -> None: ...
+
+    def after_step(self, iteration: int) -> None:
+        """Runs at the end of every completed step, before a planned switch."""
+
+    def continue_after_crash(self, plan: dict[str, Any],
+                             snapshot: dict[str, Any]) -> Continuation:
+        """A survivor's part once its groups are switched: agrees with the others (a
+        collective of the new generation) and brings this rank to the iteration they continue
+        from."""
+
+    def continue_as_joiner(self) -> Continuation:
+        """A joiner's part of the same agreement (it contributes no record of its own)."""
+
+    def state_tensors(self, transfer: Transfer) -> list[torch.Tensor]:
+        """The tensors sent (or received into, in place) for ``transfer``."""
+
+    def state_blob(self) -> dict[str, Any]:
+        """Everything else a joiner gets, besides the snapshot and the iteration."""
+
+    def load_state(self, state: dict[str, Any], transfer: Transfer) -> None:
+        """A joiner loads the blob it received."""

@@ -1,0 +1,604 @@
+"""The controller driven in-process: no agents, no workers, no processes.
+
+The control store is an in-process ``HashStore``; each test posts into the ``events`` and
+``requests`` mailboxes exactly what the agents (``launch/agent.py``) and the workers'
+control clients (``mover_plugin/runtime/control.py``) post, runs the controller's serve loop
+one iteration at a time (:meth:`Controller.poll_once`), and reads back what the controller
+posts to the ``commands`` mailbox, the store keys it sets, its event log and its summary.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+import torch.distributed as dist
+
+from mover_plugin.contract import (
+    COMMANDS_MAILBOX,
+    CURRENT_GENERATION_KEY,
+    EVENTS,
+    EVENTS_MAILBOX,
+    LAYOUT_KEY,
+    REQUESTS_MAILBOX,
+    plan_key,
+    promotion_key,
+    request_done_key,
+    request_reply_key,
+    standbys_ready_key,
+    successor_key,
+    switch_decision_key,
+)
+from mover_plugin.launch import controller as controller_module
+from mover_plugin.launch.config import LaunchConfig, NodeSpec
+from mover_plugin.launch.context import Unit
+from mover_plugin.launch.controller import Controller, handler_table
+from mover_plugin.mailbox import Mailbox
+
+T0 = 1000.0
+"""Event times are made up: the interruption timing is checked to the second."""
+
+
+@pytest.fixture(autouse=True)
+def requests_at_every_poll(monkeypatch):
+    monkeypatch.setattr(controller_module, "REQUEST_POLL_PERIOD_S", 0.0)
+
+
+class Job:
+    """A controller of 2 hosts x 2 ranks (data-parallel 4), started, and the mailboxes and
+    store that its agents and workers would use."""
+
+    def __init__(self, tmp_path: Path, *, policy: str = "resilient", standbys: int = 1,
+                 max_restarts: int = 3, **settings: Any) -> None:
+        self.log_path = tmp_path / "events.jsonl"
+        self.config = LaunchConfig(
+            nodes=(NodeSpec(0, "host0", 2, 0), NodeSpec(1, "host1", 2, 2)),
+            local_node_ranks=(), runs_controller=True, master_addr="127.0.0.1",
+            master_port=0, command=("python", "train.py"), policy=policy,
+            standbys=standbys, max_restarts=max_restarts,
+            event_log_path=str(self.log_path), join_timeout_s=5.0, **settings)
+        self.store = dist.HashStore()
+        self._events = Mailbox(self.store, EVENTS_MAILBOX)
+        self._requests = Mailbox(self.store, REQUESTS_MAILBOX)
+        self._commands = Mailbox(self.store, COMMANDS_MAILBOX)
+        self.controller = Controller(self.config, self.store)
+        self.attempt, self.generation = -1, 0
+        for node in (0, 1):
+            self.agent(node, "joined", host=f"host{node}", nproc=2, pid=100 + node)
+        self.controller.start()
+        self.attempt = 0
+
+    # -- posting as agents, workers and operators do --------------------------------------
+
+    def agent(self, node: int, kind: str, *, attempt: Optional[int] = None,
+              **fields: Any) -> None:
+        fields.setdefault("time", T0)
+        self._events.post({"kind": kind, "node": node,
+                           "attempt": self.attempt if attempt is None else attempt,
+                           "generation": self.generation, **fields})
+
+    def worker(self, kind: str, **fields: Any) -> None:
+        fields.setdefault("time", T0)
+        fields.setdefault("generation", self.generation)
+        self._events.post({"kind": kind, "attempt": self.attempt, **fields})
+
+    def raw(self, event: Any) -> None:
+        self._events.post(event)
+
+    def request(self, op: str, request_id: str, **fields: Any) -> Optional[dict[str, Any]]:
+        self._requests.post({"op": op, "id": request_id, **fields})
+        self.poll()
+        return self.json(request_reply_key(request_id))
+
+    def poll(self) -> Optional[int]:
+        return self.controller.poll_once()
+
+    # -- what the controller did ------------------------------------------------------------
+
+    def commands(self) -> list[dict[str, Any]]:
+        """The commands posted since the last call."""
+        return self._commands.poll()
+
+    def key(self, key: str) -> Optional[str]:
+        return self.store.get(key).decode() if self.store.check([key]) else None
+
+    def json(self, key: str) -> Optional[Any]:
+        value = self.key(key)
+        return None if value is None else json.loads(value)
+
+    def log(self, event: Optional[str] = None) -> list[dict[str, Any]]:
+        records = [json.loads(line) for line in self.log_path.read_text().splitlines()]
+        return [r for r in records if event is None or r["event"] == event]
+
+    # -- common steps ---------------------------------------------------------------------
+
+    def provision(self) -> None:
+        """Every standby ready and the layout published: the job trains."""
+        for node in (0, 1):
+            for index in range(self.config.standbys):
+                self.agent(node, "standby_ready", standby=f"a{self.attempt}.n{node}.s{index}")
+        self.store.set(LAYOUT_KEY, json.dumps({"tp": 1, "pp": 1, "dp": 4}))
+        assert self.poll() is None
+
+    def exit(self, rank: int, *, returncode: int = -9, how: str = "signal SIGKILL",
+             standby: Optional[str] = None, kind: str = "worker_exit", step: int = 5,
+             when: float = T0 + 5.5) -> None:
+        self.agent(rank // 2, kind, rank=rank, returncode=returncode, how=how,
+                   step_begun=step, step_completed=step - 1, standby=standby,
+                   last_step_end=T0 + 4.0, last_step_duration=1.0, time=when)
+
+    def all_ranks(self, kind: str, *, when: float, **fields: Any) -> None:
+        for rank in range(4):
+            self.worker(kind, rank=rank, time=when + rank * 0.01, **fields)
+
+    def first_steps(self, *, when: float) -> None:
+        for rank in range(4):
+            self.agent(rank // 2, "first_step", rank=rank, step=6, time=when + rank * 0.01)
+
+
+@pytest.fixture
+def job(tmp_path):
+    return Job(tmp_path)
+
+
+def test_start_posts_the_first_attempt_and_arms_once_every_standby_is_ready(job):
+    (start,) = job.commands()
+    assert start["op"] == "start" and start["attempt"] == 0 and start["generation"] == 0
+    assert start["store_port"] > 0
+    assert job.key(CURRENT_GENERATION_KEY) == "0"
+    assert job.key(standbys_ready_key(0)) is None
+    job.agent(0, "standby_ready", standby="a0.n0.s0")
+    job.poll()
+    assert job.commands() == [] and job.key(standbys_ready_key(0)) is None
+    job.agent(1, "standby_ready", standby="a0.n1.s0")
+    job.poll()
+    assert job.commands() == [{"op": "arm"}]
+    assert job.key(standbys_ready_key(0)) == "1"
+    assert [r["pool"] for r in job.log("standby_ready")] == [1, 2]
+
+
+def test_a_crash_with_a_ready_standby_switches_generation(job):
+    job.provision()
+    job.commands()
+    job.agent(0, "injected", rank=1, step=5, signal="SIGKILL", time=T0 + 5.0)
+    job.exit(1)
+    assert job.poll() is None
+    plan = job.json(plan_key(1))
+    assert plan == {"generation": 1, "world_size": 4, "replacements": [
+        {"rank": 1, "standby": "a0.n1.s0", "twin": 0, "node": 1}]}
+    assert job.key(successor_key(0)) == "1" and job.key(CURRENT_GENERATION_KEY) == "1"
+    assert job.json(promotion_key("a0.n1.s0")) == {"rank": 1, "generation": 1,
+                                                    "migration": False}
+    assert job.commands() == [
+        {"op": "notice", "generation": 0, "kind": "alarm", "reason": "rank 1 lost"},
+        {"op": "promote", "standby": "a0.n1.s0", "rank": 1, "migration": False},
+        {"op": "generation", "generation": 1},
+    ]
+    for rank in (0, 2, 3):
+        job.worker("left_step", rank=rank, generation=0, time=T0 + 5.6 + rank * 0.1)
+    job.generation = 1
+    job.all_ranks("switched", when=T0 + 7.0)
+    job.first_steps(when=T0 + 8.0)
+    assert job.poll() is None
+    (item,) = job.controller.summary.to_dict()["interruptions"]
+    assert item["kind"] == "failure" and item["recovery"] == "standby" and item["injected"]
+    assert item["generation"] == 1 and item["step"] == 5
+    assert list(item["phases_s"]) == ["failed", "detected", "alarm", "left", "switched",
+                                      "first_step_completed"]
+    assert item["phases_s"]["left"] == pytest.approx(0.9)
+    assert item["phases_s"]["switched"] == pytest.approx(2.03)
+    assert item["left_s"] == {"0": pytest.approx(0.6), "2": pytest.approx(0.8),
+                              "3": pytest.approx(0.9)}
+    # downtime: first step after (T0 + 8.03) - last step before (T0 + 4) - its duration (1)
+    assert item["downtime_s"] == pytest.approx(3.03)
+    (resumed,) = job.log("resumed")
+    assert resumed["generation"] == 1 and resumed["downtime_s"] == pytest.approx(3.03)
+    assert [r["standby"] for r in job.log("promote")] == ["a0.n1.s0"]
+    assert job.controller.summary.restarts == 0
+
+
+def test_a_hung_rank_is_recovered_as_a_hang(job):
+    job.provision()
+    job.agent(0, "hung", rank=1, standby=None, silent_s=12.5)
+    job.exit(1)
+    job.poll()
+    (item,) = job.controller.summary.interruptions
+    assert item.kind == "hang" and not item.injected
+    (hung,) = job.log("hung")
+    assert hung["rank"] == 1 and hung["silent_s"] == 12.5
+
+
+def test_a_crash_without_a_standby_falls_back_to_a_restart(tmp_path):
+    job = Job(tmp_path, standbys=0)
+    job.provision()
+    assert job.commands()[-1] == {"op": "arm"}
+    job.exit(2)
+    job.poll()
+    (fallback,) = job.log("fallback")
+    assert fallback["rank"] == 2 and fallback["reason"] == "1 rank(s) lost but 0 standby(s) ready"
+    assert job.commands() == [{"op": "stop", "attempt": 0}]
+    job.exit(3, how="signal SIGTERM", returncode=-15)  # stopped with the others: no new failure
+    job.agent(0, "stopped", workers=[{"rank": 0, "last_step_end": T0 + 4.5,
+                                      "last_step_duration": 1.5}])
+    job.poll()
+    assert job.commands() == [] and job.controller.summary.restarts == 0
+    job.agent(1, "stopped", workers=[])
+    job.poll()
+    (start,) = job.commands()
+    assert start["op"] == "start" and start["attempt"] == 1 and start["generation"] == 1
+    assert job.key(CURRENT_GENERATION_KEY) == "1"
+    assert job.controller.summary.restarts == 1 and len(job.log("restart")) == 1
+    job.attempt, job.generation = 1, 1
+    job.agent(0, "worker_exit", attempt=0, rank=0, returncode=1, how="exit code 1",
+              step_begun=5, time=T0 + 6.0)  # a late report of the first attempt: ignored
+    for node in (0, 1):
+        job.agent(node, "started", pids={}, time=T0 + 7.0 + node)
+    for rank in range(4):
+        job.agent(rank // 2, "ready", rank=rank, step=4, time=T0 + 9.0 + rank)
+    job.first_steps(when=T0 + 20.0)
+    job.poll()
+    assert job.commands() == []
+    (item,) = job.controller.summary.to_dict()["interruptions"]
+    assert item["recovery"] == "restart" and item["rank"] == 2
+    assert list(item["phases_s"]) == ["failed", "detected", "stopped", "started", "recovered",
+                                      "first_step_completed"]
+    assert item["phases_s"]["started"] == pytest.approx(2.5)
+    assert item["phases_s"]["recovered"] == pytest.approx(6.5)
+    # the last step before came from the stopped report of rank 0 (T0 + 4.5, 1.5 s long)
+    assert item["downtime_s"] == pytest.approx(20.03 - 4.5 - 1.5)
+    assert len(job.log("worker_ready")) == 4
+
+
+def test_the_restart_limit_ends_the_job(tmp_path):
+    job = Job(tmp_path, policy="restart", standbys=0, max_restarts=1)
+    job.commands()
+    job.exit(1)
+    assert job.poll() is None
+    assert job.commands() == [{"op": "stop", "attempt": 0}]
+    assert job.log("fallback") == []  # the restart policy restarts without falling back
+    for node in (0, 1):
+        job.agent(node, "stopped", workers=[])
+    job.poll()
+    assert [c["attempt"] for c in job.commands() if c["op"] == "start"] == [1]
+    job.attempt = 1
+    job.exit(3, how="exit code 1", returncode=1)
+    assert job.poll() == 1
+    assert job.commands() == []
+    job.controller.finish(1)
+    assert job.commands() == [{"op": "abort"}]
+    summary = job.controller.summary
+    assert summary.exit_code == 1 and summary.restarts == 1
+    assert [i.attempt for i in summary.interruptions] == [0, 1]
+    assert job.log()[-1]["event"] == "job_end" and job.log()[-1]["exit_code"] == 1
+
+
+def test_every_node_done_ends_the_job_with_its_step_statistics(job):
+    job.commands()
+    workers = [{"rank": r, "peak_rss_mb": 100.0 + r, "median_step_s": 1.0 + r,
+                "cpu_per_step_s": 0.5} for r in range(2)]
+    job.agent(0, "node_done", steps_completed=10, workers=workers)
+    assert job.poll() is None
+    job.agent(1, "node_done", steps_completed=9, workers=[])
+    assert job.poll() == 0
+    job.controller.finish(0)
+    assert job.commands() == [{"op": "finish"}]
+    summary = job.controller.summary
+    assert summary.steps_completed == 9 and summary.worker_peak_rss_mb == 101.0
+    assert summary.median_step_time_s == 1.5 and summary.median_cpu_per_step_s == 0.5
+    assert summary.exit_code == 0
+
+
+def _migrate_rank_1(job: Job) -> None:
+    job.provision()
+    job.commands()
+    reply = job.request("migrate", "m1", ranks=[1])
+    assert reply == {"ok": True, "ranks": [1], "standbys": ["a0.n1.s0"], "generation": 1}
+
+
+def test_a_planned_migration_runs_through_both_phases(job):
+    _migrate_rank_1(job)
+    assert job.commands() == [
+        {"op": "promote", "standby": "a0.n1.s0", "rank": 1, "migration": True},
+        {"op": "generation", "generation": 1},
+        {"op": "notice", "generation": 0, "kind": "prepare", "next": 1},
+    ]
+    assert job.json(plan_key(1))["kind"] == "migration"
+    assert job.json(promotion_key("a0.n1.s0"))["migration"] is True
+    assert job.key(successor_key(0)) is None  # set only at the point of no return
+    job.worker("prepared", rank=1, generation=1, time=T0 + 1.0)
+    for rank in (0, 2):
+        job.worker("groups_prepared", rank=rank, generation=1, build_s=0.1, rebuilt=1, kept=2,
+                   time=T0 + 1.2)
+    job.poll()
+    assert job.commands() == []
+    assert job.request("status", "s1")["migrations"][0]["state"].startswith("phase 1")
+    job.worker("groups_prepared", rank=3, generation=1, build_s=0.1, rebuilt=1, kept=2,
+               time=T0 + 1.5)
+    job.poll()
+    assert job.commands() == [{"op": "notice", "generation": 0, "kind": "switch"}]
+    for rank in range(4):
+        job.worker("boundary", rank=rank, generation=0, iteration=7, step_s=1.0, migration=1,
+                   time=T0 + 2.0 + rank * 0.1)
+        job.poll()
+        assert job.key(switch_decision_key(1)) == (None if rank < 3 else "go")
+    assert job.key(successor_key(0)) == "1"
+    assert job.log("switch_committed")[0]["ranks"] == [1]
+    job.worker("left", rank=1, generation=0, migration=1, handover_s=0.2, transfer_s=0.1,
+               time=T0 + 2.5)
+    job.generation = 1
+    job.all_ranks("switched", when=T0 + 2.6)
+    job.poll()
+    assert job.key(request_done_key("m1")) is None
+    job.first_steps(when=T0 + 3.4)
+    job.poll()
+    done = job.json(request_done_key("m1"))
+    # first step after (T0 + 3.43) - the last boundary (T0 + 2.3) - its step (1.0)
+    assert done == {"ok": True, "generation": 1, "downtime_s": pytest.approx(0.13)}
+    (item,) = job.controller.summary.to_dict()["interruptions"]
+    assert item["kind"] == "migration" and item["step"] == 7 and item["recovery"] == "standby"
+    assert list(item["phases_s"]) == ["requested", "prepared", "boundary", "handed_over",
+                                      "switched", "first_step_completed"]
+    assert [r["rank"] for r in job.log("handed_over")] == [1]
+    assert len(job.log("migration_done")) == 1
+    status = job.request("status", "s2")
+    assert status["migrations"] == [] and status["generation"] == 1
+    assert status["membership"]["1"] == {"process": "a0.n1.s0", "node": 1}
+
+
+def test_a_migration_whose_joiner_is_lost_in_phase_1_is_cancelled(job):
+    _migrate_rank_1(job)
+    job.commands()
+    job.exit(1, standby="a0.n1.s0")
+    assert job.poll() is None
+    assert job.key(switch_decision_key(1)) == "cancel"
+    assert job.key(CURRENT_GENERATION_KEY) == "0"
+    assert job.commands() == [
+        {"op": "cancel_promotion", "standby": "a0.n1.s0", "rank": 1},
+        {"op": "generation", "generation": 0},
+    ]
+    done = job.json(request_done_key("m1"))
+    assert done["ok"] is False and done["generation"] == 0
+    assert done["error"] == ("cancelled: the joiner of rank 1 was lost in phase 1 "
+                             "(signal SIGKILL)")
+    (lost,) = job.log("joiner_lost")
+    assert lost["rank"] == 1 and lost["generation"] == 0
+    assert job.log("worker_failed") == []  # the rank itself runs on in generation 0
+    status = job.request("status", "s1")
+    assert status["generation"] == 0 and status["migrations"] == []
+    assert status["membership"]["1"] == {"process": "a0.r1", "node": 0}
+    # The generation the migration planned is skipped: the next one is 2.
+    job.exit(3)
+    job.poll()
+    assert job.key(successor_key(0)) == "2" and job.json(plan_key(2))["replacements"][0][
+        "rank"] == 3
+
+
+def test_a_staying_rank_lost_before_the_commit_cancels_and_is_recovered(job):
+    _migrate_rank_1(job)
+    job.commands()
+    job.exit(2)
+    job.poll()
+    assert job.key(switch_decision_key(1)) == "cancel"
+    done = job.json(request_done_key("m1"))
+    assert done["error"] == "cancelled: rank 2 was lost in phase 1 (signal SIGKILL)"
+    commands = job.commands()
+    assert commands[0] == {"op": "cancel_promotion", "standby": "a0.n1.s0", "rank": 1}
+    assert {"op": "notice", "generation": 0, "kind": "alarm", "reason": "rank 2 lost"} in commands
+    # the migration's standby was stopped with its joiner: the other one (node 0) takes rank 2
+    assert job.json(plan_key(2))["replacements"] == [
+        {"rank": 2, "standby": "a0.n0.s0", "twin": 0, "node": 0}]
+    kinds = [i.kind for i in job.controller.summary.interruptions]
+    assert kinds == ["migration", "failure"]
+
+
+@pytest.mark.parametrize("settings, fields, reason", [
+    ({}, {"ranks": [9]}, "rank 9 does not exist; this job has ranks 0..3"),
+    ({}, {"ranks": []}, "name the ranks to move, or a host"),
+    ({}, {"host": "host7"}, "host 'host7' is not one host of this job; hosts: host0, host1"),
+    ({"policy": "restart"}, {"ranks": [1]},
+     "the job runs with --policy restart; migration needs --policy resilient (and "
+     "--resilient in the script)"),
+])
+def test_a_migration_request_is_rejected_with_its_reason(tmp_path, settings, fields, reason):
+    job = Job(tmp_path, **settings)
+    job.provision()
+    job.commands()
+    assert job.request("migrate", "bad", **fields) == {"ok": False, "error": reason}
+    (rejected,) = job.log("migration_rejected")
+    assert rejected["request"] == "bad" and rejected["reason"] == reason
+    assert job.commands() == []
+
+
+def test_a_migration_request_waits_for_training_and_for_the_one_in_progress(job):
+    reply = job.request("migrate", "early", ranks=[1])
+    assert reply["error"] == "the job has not started training yet; retry in a moment"
+    _migrate_rank_1(job)
+    assert job.request("migrate", "same", ranks=[1])["error"] == (
+        "rank(s) [1] are already being moved; wait until that migration is done")
+    assert job.request("migrate", "other", ranks=[2])["error"] == (
+        "a migration of rank(s) [1] is in progress; retry when it is done")
+    assert job.request("launch", "x")["error"] == "unknown request 'launch'; valid: status, migrate"
+    assert len(job.log("migration_rejected")) == 3  # an unknown request is not a migration's
+
+
+def test_a_migration_needs_a_free_standby(tmp_path):
+    job = Job(tmp_path, standbys=0)
+    job.provision()
+    reply = job.request("migrate", "m", ranks=[0, 1])
+    assert reply["error"] == ("no free standby: 2 rank(s) to move but 0 standby(s) ready; start "
+                              "the job with more --standbys or wait for one to be ready")
+
+
+def test_status_describes_the_job(job):
+    job.provision()
+    status = job.request("status", "s")
+    assert status["ok"] and status["policy"] == "resilient" and status["training"]
+    assert status["generation"] == 0 and status["attempt"] == 0 and status["world_size"] == 4
+    assert status["membership"]["3"] == {"process": "a0.r3", "node": 1}
+    assert status["standbys"] == {"a0.n0.s0": 0, "a0.n1.s0": 1}
+    assert status["migrations"] == []
+    assert [r["event"] for r in status["recent_events"]][:2] == ["attempt_start",
+                                                                 "standby_ready"]
+
+
+def test_events_the_controller_cannot_act_on_are_rejected_and_counted(job):
+    job.provision()
+    job.commands()
+    job.raw({"kind": "bogus", "attempt": 0, "time": T0})
+    job.raw({"kind": "worker_exit", "attempt": 0, "time": T0, "node": 0, "returncode": -9,
+             "how": "signal SIGKILL", "step_begun": 3})  # no rank
+    job.raw({"kind": "failure", "attempt": 0, "time": T0, "node": 0, "rank": 1})
+    job.raw({"kind": "request", "attempt": 0, "time": T0, "op": "migrate", "ranks": [1]})
+    job.raw({"kind": "ready", "attempt": "0", "time": T0, "node": 0, "rank": 1, "step": 1})
+    job.raw(["worker_exit"])
+    assert job.poll() is None
+    assert job.controller.summary.rejected_events == 6
+    assert job.controller.summary.to_dict()["rejected_events"] == 6
+    reasons = [r["reason"] for r in job.log("event_rejected")]
+    assert reasons == [
+        "unknown event kind 'bogus'",
+        "worker_exit event without its field 'rank'",
+        "unknown event kind 'failure'",
+        "unknown event kind 'request'",
+        "ready event: field 'attempt' is str, expected int",
+        "an event must be a JSON object, got list",
+    ]
+    assert job.commands() == [] and job.controller.summary.interruptions == []
+    assert job.log("worker_ready") == []
+
+
+def test_events_of_an_earlier_attempt_are_ignored(job):
+    job.provision()
+    job.commands()
+    job.agent(0, "worker_exit", attempt=-1, rank=1, returncode=-9, how="signal SIGKILL",
+              step_begun=2)
+    job.agent(1, "node_done", attempt=-1, steps_completed=3, workers=[])
+    job.agent(0, "node_done", attempt=-1, steps_completed=3, workers=[])
+    assert job.poll() is None
+    assert job.commands() == [] and job.controller.summary.interruptions == []
+    assert job.controller.summary.rejected_events == 0
+
+
+def test_an_injected_migration_waits_for_the_recovery_in_progress(job):
+    job.provision()
+    job.exit(1)
+    job.agent(1, "migration_due", rank=3, step=5, fault=None)
+    job.poll()
+    assert job.key(request_reply_key("injected-r3-s5")) is None
+    job.generation = 1
+    job.all_ranks("switched", when=T0 + 7.0)
+    job.first_steps(when=T0 + 8.0)
+    job.poll()
+    reply = job.json(request_reply_key("injected-r3-s5"))
+    assert reply["ok"] is True and reply["ranks"] == [3] and reply["generation"] == 2
+    (plan,) = job.json(plan_key(2))["replacements"]
+    assert plan["rank"] == 3 and plan["standby"] == "a0.n0.s0"
+
+
+def test_a_slow_rank_is_migrated(tmp_path):
+    job = Job(tmp_path, slow_rank_factor=2.0, slow_rank_steps=2)
+    job.provision()
+    job.commands()
+    for step in (3, 4):
+        job.agent(0, "busy", step=step, ranks={"0": 0.1, "1": 0.1})
+        job.agent(1, "busy", step=step, ranks={"2": 0.1, "3": 0.5})
+        job.poll()
+    (slow,) = job.log("slow_rank")
+    assert slow["rank"] == 3 and slow["step"] == 4 and slow["factor"] == 2.0
+    reply = job.json(request_reply_key("slow-rank-3-4"))
+    assert reply is None  # the controller's own request gets no reply key ...
+    assert job.json(plan_key(1))["replacements"][0]["rank"] == 3  # ... but it is carried out
+    assert {"op": "notice", "generation": 0, "kind": "prepare", "next": 1} in job.commands()
+
+
+def _commit_migration_of_rank_1(job: Job) -> None:
+    _migrate_rank_1(job)
+    job.worker("prepared", rank=1, generation=1)
+    for rank in (0, 2, 3):
+        job.worker("groups_prepared", rank=rank, generation=1, build_s=0.1, rebuilt=1, kept=2)
+    for rank in range(4):
+        job.worker("boundary", rank=rank, generation=0, iteration=7, step_s=1.0, migration=1)
+    job.poll()
+    assert job.key(switch_decision_key(1)) == "go"
+    job.commands()
+
+
+def test_a_leaver_lost_after_the_commit_abandons_the_migration(job):
+    _commit_migration_of_rank_1(job)
+    job.exit(1, kind="leaver_exit")
+    job.poll()
+    commands = job.commands()
+    assert commands[:2] == [{"op": "discard_leaver", "rank": 1},
+                            {"op": "cancel_promotion", "standby": "a0.n1.s0", "rank": 1}]
+    done = job.json(request_done_key("m1"))
+    assert done["ok"] is False and done["error"].startswith(
+        "abandoned: the leaver of rank 1 was lost before the hand-over (signal SIGKILL)")
+    assert job.key(successor_key(1)) == "2"
+    assert job.json(plan_key(2))["replacements"] == [
+        {"rank": 1, "standby": "a0.n0.s0", "twin": 0, "node": 0}]
+    (failed,) = job.log("worker_failed")
+    assert failed["rank"] == 1 and failed["leaver"] is True
+
+
+def test_a_staying_rank_lost_after_the_commit_is_recovered_once_handed_over(job):
+    _commit_migration_of_rank_1(job)
+    job.exit(3)
+    job.poll()
+    assert job.commands() == [] and job.key(plan_key(2)) is None
+    (deferred,) = job.log("failure_deferred")
+    assert deferred["rank"] == 3
+    job.worker("left", rank=1, generation=0, migration=1)
+    job.poll()
+    assert job.json(request_done_key("m1"))["ok"] is True
+    assert job.json(plan_key(2))["replacements"][0]["rank"] == 3
+    assert job.commands()[0] == {"op": "notice", "generation": 1, "kind": "alarm",
+                                 "reason": "rank 3 lost"}
+    assert [i.kind for i in job.controller.summary.interruptions] == ["migration", "failure"]
+
+
+def test_a_rank_finishing_training_before_the_switch_cancels_the_migration(job):
+    _migrate_rank_1(job)
+    job.exit(2, returncode=0, how="exit code 0")
+    job.poll()
+    done = job.json(request_done_key("m1"))
+    assert done["error"] == "cancelled: rank 2 finished training before the switch"
+    assert job.controller.summary.interruptions == []  # nothing was interrupted
+    assert job.log("worker_failed") == []
+
+
+def test_the_job_ending_during_a_migration_fails_its_request(job):
+    _migrate_rank_1(job)
+    job.commands()
+    job.controller.finish(0)
+    assert job.commands() == [{"op": "finish"}]
+    done = job.json(request_done_key("m1"))
+    assert done == {"ok": False, "generation": 1,
+                    "error": "the job ended before the migration completed"}
+    assert [r["event"] for r in job.log()[-2:]] == ["migration_failed", "job_end"]
+
+
+class _Claims(Unit):
+    def __init__(self, *kinds: str, any_attempt: frozenset[str] = frozenset()) -> None:
+        self._kinds = kinds
+        self.ANY_ATTEMPT = any_attempt
+
+    def handlers(self):
+        return {kind: (lambda event: None) for kind in self._kinds}
+
+
+def test_the_handler_table_covers_every_event_kind_but_joined_once(job):
+    assert set(job.controller.handlers) == set(EVENTS) - {"joined"}
+
+
+def test_the_handler_table_refuses_a_kind_claimed_twice_or_unknown_to_the_contract():
+    table, any_attempt = handler_table([_Claims("ready"), _Claims("left", any_attempt=
+                                                                  frozenset({"left"}))])
+    assert set(table) == {"ready", "left"} and any_attempt == {"left"}
+    with pytest.raises(ValueError, match="'ready' is claimed by _Claims and _Claims"):
+        handler_table([_Claims("ready"), _Claims("ready")])
+    with pytest.raises(ValueError, match="'failure', which is no event kind of the contract"):
+        handler_table([_Claims("failure")])
+    with pytest.raises(ValueError, match="of any attempt without handling them"):
+        handler_table([_Claims("ready", any_attempt=frozenset({"injected"}))])
