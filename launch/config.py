@@ -4,21 +4,25 @@ Every check runs before any process starts and raises :class:`ConfigError` with 
 names the bad value and what would be valid. The flag names are torchrun's
 (``--nproc-per-node``, ``--nnodes``, ``--node-rank``, ``--master-addr``, ``--master-port``,
 ``--max-restarts``, ``--standalone``; the underscore spellings work too) so that replacing
-``torchrun`` by ``mover-launch`` in a command line just works.
+``torchrun`` by ``mover-launch`` in a command line just works. Under ``srun``, without host
+flags, the hosts come from Slurm's variables (:mod:`mover_plugin.launch.slurm`).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 from mover_plugin.errors import ConfigError
 from mover_plugin.launch.hostfile import HostEntry, is_local_host, parse_hostfile
+from mover_plugin.launch.slurm import SlurmAllocation, allocation_from_env
 
 POLICIES = ("restart", "resilient")
 DEFAULT_MASTER_PORT = 29500
+DEFAULT_MASTER_ADDR = "127.0.0.1"
 
 
 @dataclass(frozen=True)
@@ -135,11 +139,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--nnodes", type=_positive_int, default=None, help="Number of hosts (default 1).")
     add("--node-rank", "--node_rank", dest="node_rank", type=_non_negative_int, default=None,
         help="This host's index among the hosts (default 0).")
-    add("--master-addr", "--master_addr", dest="master_addr", default="127.0.0.1",
-        help="Address of the first host, where the controller runs.")
+    add("--master-addr", "--master_addr", dest="master_addr", default=None,
+        help="Address of the first host, where the controller runs (default 127.0.0.1; under "
+        "srun, the first host of the Slurm job step).")
     add("--master-port", "--master_port", dest="master_port", type=port_number, default=None,
-        help=f"Port of the controller's store (default {DEFAULT_MASTER_PORT}; 0: any free port, "
-        "single-machine jobs only).")
+        help=f"Port of the controller's store (default {DEFAULT_MASTER_PORT}; under srun, one "
+        "derived from the Slurm job id; 0: any free port, single-machine jobs only).")
     add("--standalone", action="store_true",
         help="Single-machine job on a free port (like torchrun --standalone).")
     add("--hostfile", default=None,
@@ -196,14 +201,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_launch_args(argv: Sequence[str], python: str) -> LaunchConfig:
-    """Parses and checks ``mover-launch`` flags; raises :class:`ConfigError` on bad input."""
+def parse_launch_args(argv: Sequence[str], python: str,
+                      environ: Optional[Mapping[str, str]] = None) -> LaunchConfig:
+    """Parses and checks ``mover-launch`` flags; raises :class:`ConfigError` on bad input.
+    Without host flags, the hosts come from Slurm's variables in ``environ`` (by default this
+    process's environment) when it runs in a Slurm job step (:mod:`mover_plugin.launch.slurm`)."""
     args = build_parser().parse_args(list(argv))
     _apply_deepspeed_block(args)
-    nodes = _nodes(args)
+    slurm = _slurm_allocation(args, environ if environ is not None else os.environ)
+    if slurm is not None:
+        nodes = _nodes_of_allocation(args, slurm)
+        local, runs_controller = (slurm.node_rank,), slurm.node_rank == 0
+        master_addr = slurm.hosts[0]
+        master_port = slurm.port if args.master_port is None else args.master_port
+    else:
+        nodes = _nodes(args)
+        local, runs_controller = _local_nodes(args, nodes)
+        master_addr = args.master_addr or DEFAULT_MASTER_ADDR
+        master_port = _master_port(args, nodes, local)
     world_size = sum(node.nproc for node in nodes)
-    local, runs_controller = _local_nodes(args, nodes)
-    master_port = _master_port(args, nodes, local)
     standbys = _standbys(args)
     for flag, injections in (("--inject-failure", args.inject_failure),
                              ("--inject-migration", args.inject_migration)):
@@ -227,7 +243,7 @@ def parse_launch_args(argv: Sequence[str], python: str) -> LaunchConfig:
         nodes=nodes,
         local_node_ranks=local,
         runs_controller=runs_controller,
-        master_addr=args.master_addr,
+        master_addr=master_addr,
         master_port=master_port,
         command=(python, "-u", *target, *args.script_args),
         policy=args.policy,
@@ -361,8 +377,25 @@ def _nodes(args: argparse.Namespace) -> tuple[NodeSpec, ...]:
     if args.standalone and args.nnodes not in (None, 1):
         raise ConfigError(f"--standalone runs on one machine; --nnodes {args.nnodes} conflicts")
     nproc = args.nproc_per_node or 1
-    host = args.master_addr
+    host = args.master_addr or DEFAULT_MASTER_ADDR
     return _from_entries([HostEntry(host, nproc)] * nnodes)
+
+
+HOST_FLAGS = ("hostfile", "nnodes", "node_rank", "master_addr", "standalone")
+"""The flags that say where the job's hosts are; without any, Slurm's variables may."""
+
+
+def _slurm_allocation(args: argparse.Namespace,
+                      environ: Mapping[str, str]) -> Optional[SlurmAllocation]:
+    if any(getattr(args, name) not in (None, False) for name in HOST_FLAGS):
+        return None
+    return allocation_from_env(environ)
+
+
+def _nodes_of_allocation(args: argparse.Namespace,
+                         slurm: SlurmAllocation) -> tuple[NodeSpec, ...]:
+    nproc = args.nproc_per_node or slurm.gpus_on_node or 1
+    return _from_entries([HostEntry(host, nproc) for host in slurm.hosts])
 
 
 def _from_entries(entries: Sequence[HostEntry]) -> tuple[NodeSpec, ...]:
