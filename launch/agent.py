@@ -2,21 +2,21 @@
 
 The agent reads the controller's commands (``start``, ``stop``, ``promote``, ``generation``,
 ``notice``, ``cancel_promotion``, ``finish``, ``abort``) from the store and posts what it sees
-(``joined``, ``started``, ``ready``, ``first_step``, ``worker_exit``, ``leaver_exit``,
-``injected``, ``migration_due``, ``hung``, ``standby_ready``, ``standby_exit``, ``stopped``,
-``node_done``, ``node_busy``) as events. It notices a process's exit within one
-poll period (10 ms), reads each process's progress pipe to deliver injected failures at the
-step they name and to see heartbeats (a process silent past the timeout its heartbeats
-announce is killed, so that its exit starts the recovery), and stops every process when the
-controller goes away. Besides the workers it starts the host's standby processes (same
-command, its standby id set in the environment, no rank) and relabels one as a worker when promoted; in a
-migration the process it replaces keeps running as a *leaver* until it has handed its state
-over and exits. Notices to a generation are written into every local rank's notice pipe
-(``mover_plugin.runtime.notices``); what passes between agent and worker is in
-:mod:`mover_plugin.contract`.
+(``joined``, ``started``, ``ready``, ``first_step``, ``worker_exit``, ``leaver_exit``, ``injected``,
+``migration_due``, ``hung``, ``standby_ready``, ``standby_exit``, ``stopped``, ``node_done``,
+``node_busy``) as events. It notices a process's exit within one poll period (10 ms), reads each
+process's progress pipe to deliver injected failures at the step they name and to see heartbeats (a
+process silent past the timeout its heartbeats announce is killed, so that its exit starts the
+recovery), and stops every process when the controller goes away. Besides the workers it starts the
+host's standby processes (same command, its standby id set in the environment, no rank) and relabels
+one as a worker when promoted; in a migration the process it replaces keeps running as a *leaver*
+until it has handed its state over and exits. A spare host's agent starts only standbys (one per
+slot) and reports its host idle until one of them is promoted. Notices to a generation are written
+into every local rank's notice pipe (``mover_plugin.runtime.notices``); what passes between agent
+and worker is in :mod:`mover_plugin.contract`.
 
-Run as ``python -m mover_plugin.launch.agent`` with its settings as JSON in
-``MOVER_AGENT_CONFIG`` (the launcher does this), or in-process through :class:`Agent`.
+Run as ``python -m mover_plugin.launch.agent`` with its settings as JSON in ``MOVER_AGENT_CONFIG``
+(the launcher does this), or in-process through :class:`Agent`.
 """
 
 from __future__ import annotations
@@ -254,6 +254,10 @@ class Agent:
                         standby=f"a{attempt}.n{self.config.node.node_rank}.s{index}")
         self._post("started", pids={w.rank: w.process.pid for w in self._workers
                                     if w.rank is not None})
+        if self.config.node.spare:
+            # No rank here until one of its standbys is promoted (then ``node_busy``).
+            self._idle_reported = True
+            self._post("node_done", steps_completed=None, workers=[])
 
     def _spawn(self, rank: Optional[int], local_rank: Optional[int], store_port: int,
                standby: Optional[str] = None) -> None:
@@ -339,7 +343,7 @@ class Agent:
             env.update(RANK=str(rank), LOCAL_RANK=str(local_rank))
         env.update(
             WORLD_SIZE=str(self.config.world_size),
-            LOCAL_WORLD_SIZE=str(node.nproc),
+            LOCAL_WORLD_SIZE=str(node.local_world_size),
             GROUP_RANK=str(node.node_rank),
             MASTER_ADDR=self.config.master_addr,
             MASTER_PORT=str(store_port),

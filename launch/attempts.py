@@ -17,7 +17,7 @@ from typing import Mapping, Optional
 import torch.distributed as dist
 
 from mover_plugin.contract import standbys_ready_key
-from mover_plugin.generations import Membership
+from mover_plugin.generations import Membership, StandbyPool
 from mover_plugin.launch.context import AttemptState, Context, Event, EventHandler, Unit
 
 logger = logging.getLogger(__name__)
@@ -37,7 +37,8 @@ class Attempts(Unit):
     def start(self, attempt: int) -> None:
         """Starts every worker (and standby) afresh as attempt ``attempt``."""
         ctx = self._ctx
-        previous, ctx.attempt = ctx.attempt, AttemptState(number=attempt)
+        previous, ctx.attempt = ctx.attempt, AttemptState(number=attempt, pool=StandbyPool(
+            spare_nodes=frozenset(n.node_rank for n in ctx.config.nodes if n.spare)))
         ctx.begin_generation(ctx.job.last_generation + 1)
         ctx.job.membership = Membership(ctx.job.generation, {r: f"a{attempt}.r{r}" for r in
                                                              range(ctx.config.world_size)})
@@ -54,7 +55,7 @@ class Attempts(Unit):
         """Once every standby of the attempt is ready (at once without): the workers may
         start training, and injected failures are armed."""
         ctx = self._ctx
-        if len(ctx.attempt.pool) < ctx.config.standbys * len(ctx.job.nodes):
+        if len(ctx.attempt.pool) < ctx.config.standby_target:
             return
         ctx.store.set(standbys_ready_key(ctx.attempt.number), "1")
         if not self._armed:

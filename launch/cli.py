@@ -89,7 +89,7 @@ def _agent_config(config: LaunchConfig, node_rank: int, port: int) -> AgentConfi
         injections=tuple(i for i in config.injections if i.rank in node.ranks),
         migrations=tuple(i for i in config.migrations if i.rank in node.ranks),
         stop_grace_s=config.stop_grace_s,
-        standbys=config.standbys,
+        standbys=config.standbys_of(node),
         report_busy=config.slow_rank_factor is not None,
     )
 

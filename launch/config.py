@@ -69,16 +69,27 @@ class MigrationInjection:
 
 @dataclass(frozen=True)
 class NodeSpec:
-    """One host of the job: its node rank, name, worker count and first global rank."""
+    """One host of the job: its node rank, name, worker count and first global rank; a spare
+    host has no worker and ``spare_slots`` standbys."""
 
     node_rank: int
     host: str
     nproc: int
     first_rank: int
+    spare_slots: int = 0
 
     @property
     def ranks(self) -> range:
         return range(self.first_rank, self.first_rank + self.nproc)
+
+    @property
+    def spare(self) -> bool:
+        return self.spare_slots > 0
+
+    @property
+    def local_world_size(self) -> int:
+        """Processes of the job this host runs at most at once (its slots)."""
+        return self.spare_slots or self.nproc
 
 
 @dataclass(frozen=True)
@@ -105,7 +116,7 @@ class LaunchConfig:
     event_log_path: Optional[str] = None
     """JSON-lines event log of the controller."""
     standbys: int = 0
-    """Standby processes per host (resilient policy)."""
+    """Standby processes per worker host (resilient policy); a spare host runs one per slot."""
     slow_rank_factor: Optional[float] = None
     """Migrate a rank whose busy time stays above this multiple of the median (None: off)."""
     slow_rank_steps: int = 5
@@ -123,6 +134,16 @@ class LaunchConfig:
     @property
     def world_size(self) -> int:
         return sum(node.nproc for node in self.nodes)
+
+    def standbys_of(self, node: NodeSpec) -> int:
+        """Standbys the agent of ``node`` starts: a spare host one per slot, a worker host
+        ``--standbys``."""
+        return node.spare_slots if node.spare else self.standbys
+
+    @property
+    def standby_target(self) -> int:
+        """Standbys of the whole job when every agent has started its own."""
+        return sum(self.standbys_of(node) for node in self.nodes)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -161,8 +182,12 @@ def build_parser() -> argparse.ArgumentParser:
         "falls back to restart. Default: resilient when the script's --deepspeed_config has "
         "an enabled \"resilience\" block, else restart.")
     add("--standbys", type=_non_negative_int, default=None,
-        help="Standby processes per host (resilient policy; default 1, or the DeepSpeed "
+        help="Standby processes per worker host (resilient policy; default 1, or the DeepSpeed "
         "config's \"resilience.standbys\").")
+    add("--spare-hosts", dest="spare_hosts", type=_non_negative_int, default=0, metavar="K",
+        help="The last K hosts of the job are spare hosts: each runs one standby per slot and "
+        "no worker, and recovery and migration take their standbys first (resilient policy; "
+        "a hostfile line ending with 'spare' marks one too).")
     add("--event-log", dest="event_log", default=None, metavar="PATH",
         help="Append the controller's events to PATH as JSON lines.")
     add("--max-restarts", "--max_restarts", dest="max_restarts", type=_non_negative_int,
@@ -372,13 +397,13 @@ def _nodes(args: argparse.Namespace) -> tuple[NodeSpec, ...]:
                 "--hostfile gives the hosts and their slots; do not combine it with "
                 "--nproc-per-node or --nnodes"
             )
-        return _from_entries(parse_hostfile(args.hostfile))
+        return _from_entries(_with_spares(parse_hostfile(args.hostfile), args))
     nnodes = 1 if args.standalone else (args.nnodes or 1)
     if args.standalone and args.nnodes not in (None, 1):
         raise ConfigError(f"--standalone runs on one machine; --nnodes {args.nnodes} conflicts")
     nproc = args.nproc_per_node or 1
     host = args.master_addr or DEFAULT_MASTER_ADDR
-    return _from_entries([HostEntry(host, nproc)] * nnodes)
+    return _from_entries(_with_spares([HostEntry(host, nproc)] * nnodes, args))
 
 
 HOST_FLAGS = ("hostfile", "nnodes", "node_rank", "master_addr", "standalone")
@@ -395,12 +420,33 @@ def _slurm_allocation(args: argparse.Namespace,
 def _nodes_of_allocation(args: argparse.Namespace,
                          slurm: SlurmAllocation) -> tuple[NodeSpec, ...]:
     nproc = args.nproc_per_node or slurm.gpus_on_node or 1
-    return _from_entries([HostEntry(host, nproc) for host in slurm.hosts])
+    return _from_entries(_with_spares([HostEntry(host, nproc) for host in slurm.hosts], args))
+
+
+def _with_spares(entries: Sequence[HostEntry], args: argparse.Namespace) -> list[HostEntry]:
+    """``entries`` with the last ``--spare-hosts`` of them marked spare; checks that some host
+    still runs workers and that spares come with the resilient policy."""
+    count = args.spare_hosts
+    if count >= len(entries) and count > 0:
+        raise ConfigError(f"--spare-hosts {count}: the job has {len(entries)} host(s); at least "
+                          "one must run workers")
+    marked = [HostEntry(e.host, e.slots, e.spare or i >= len(entries) - count)
+              for i, e in enumerate(entries)] if count else list(entries)
+    spares = [e for e in marked if e.spare]
+    if len(spares) == len(marked):
+        raise ConfigError("every host of the job is a spare host; at least one must run workers")
+    if spares and args.policy != "resilient":
+        raise ConfigError(f"spare host {spares[0].host!r} needs --policy resilient (a spare host "
+                          "runs standbys, which only the resilient policy uses)")
+    return marked
 
 
 def _from_entries(entries: Sequence[HostEntry]) -> tuple[NodeSpec, ...]:
     nodes, first = [], 0
     for node_rank, entry in enumerate(entries):
+        if entry.spare:
+            nodes.append(NodeSpec(node_rank, entry.host, 0, first, spare_slots=entry.slots))
+            continue
         nodes.append(NodeSpec(node_rank, entry.host, entry.slots, first))
         first += entry.slots
     return tuple(nodes)

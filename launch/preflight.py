@@ -45,7 +45,8 @@ def run_preflight(config: LaunchConfig) -> None:
     env = dict(os.environ)
     env.update(
         {PREFLIGHT_ENV: "1", "RANK": "0", "LOCAL_RANK": "0",
-         "WORLD_SIZE": str(config.world_size), "LOCAL_WORLD_SIZE": str(config.nodes[0].nproc)}
+         "WORLD_SIZE": str(config.world_size),
+         "LOCAL_WORLD_SIZE": str(config.nodes[0].local_world_size)}
     )
     result = subprocess.run(list(config.command), env=env, capture_output=True, text=True,
                             timeout=_TIMEOUT_S, stdin=subprocess.DEVNULL)

@@ -11,6 +11,7 @@ replacement with the leaving rank as its own source of state (:func:`plan_migrat
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
@@ -39,9 +40,11 @@ Plan = Union[list[Replacement], Fallback]
 
 @dataclass
 class StandbyPool:
-    """Ready standbys in the order they became ready, with the host of each."""
+    """Ready standbys in the order they became ready, with the host of each. Standbys on a
+    spare host (one that runs no worker) are taken first."""
 
     hosts: dict[str, int] = field(default_factory=dict)
+    spare_nodes: frozenset[int] = frozenset()
 
     def add(self, standby: str, node: int) -> None:
         self.hosts[standby] = node
@@ -56,16 +59,40 @@ class StandbyPool:
              strict: bool = False) -> Optional[tuple[str, int]]:
         """Removes and returns a standby and its node, preferring one not on ``avoid_node``
         (``strict``: only such a one); None when there is none."""
-        others = [s for s, node in self.hosts.items() if node != avoid_node]
+        others = self._preferred([s for s, node in self.hosts.items() if node != avoid_node])
         candidates = others if strict else (others or list(self.hosts))
         if not candidates:
             return None
         chosen = candidates[0]
         return chosen, self.hosts.pop(chosen)
 
+    def take_on_one_host(self, count: int,
+                         avoid_node: Optional[int] = None) -> Optional[list[tuple[str, int]]]:
+        """Removes and returns ``count`` standbys of one host other than ``avoid_node`` (a
+        spare host first), in the order of their ids; None when no host has that many."""
+        by_node: dict[int, list[str]] = {}
+        for standby in self._preferred(list(self.hosts)):
+            by_node.setdefault(self.hosts[standby], []).append(standby)
+        for node, standbys in by_node.items():
+            if node != avoid_node and len(standbys) >= count:
+                chosen = sorted(standbys[:count], key=_natural_order)
+                for standby in chosen:
+                    del self.hosts[standby]
+                return [(standby, node) for standby in chosen]
+        return None
+
+    def _preferred(self, standbys: list[str]) -> list[str]:
+        """``standbys`` with those on spare hosts first, each part in the order of readiness."""
+        return sorted(standbys, key=lambda standby: self.hosts[standby] not in self.spare_nodes)
+
     def count_off(self, nodes: set[int]) -> int:
         """How many standbys are on none of ``nodes``."""
         return sum(1 for node in self.hosts.values() if node not in nodes)
+
+
+def _natural_order(name: str) -> tuple:
+    """Orders ``a0.n2.s10`` after ``a0.n2.s9``: digit runs compare as numbers."""
+    return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name))
 
 
 @dataclass
@@ -94,16 +121,16 @@ def plan_recovery(
     if len(failed) > len(pool):
         return Fallback(f"{len(failed)} rank(s) lost but {len(pool)} standby(s) ready")
     lost = set(failed)
-    plan = []
+    twin_of = {}
     for rank in sorted(lost):
         twins = [t for t in layout.data_parallel_twins(rank) if t not in lost]
         if not twins:
             reason = ("the data-parallel size is 1" if layout.dp == 1
                       else "every data-parallel twin was lost too")
             return Fallback(f"rank {rank} has no live data-parallel twin ({reason})")
-        standby, node = pool.take(avoid_node=(node_of_rank or {}).get(rank))
-        plan.append(Replacement(rank, standby, twins[0], node))
-    return plan
+        twin_of[rank] = twins[0]
+    return [Replacement(rank, standby, twin_of[rank], node) for rank, (standby, node) in
+            _take_standbys(sorted(lost), pool, node_of_rank or {}, strict=False)]
 
 
 def plan_migration(ranks: Sequence[int], pool: StandbyPool, node_of_rank: dict[int, int], *,
@@ -118,8 +145,23 @@ def plan_migration(ranks: Sequence[int], pool: StandbyPool, node_of_rank: dict[i
                  if leave_hosts else "")
         return Fallback(f"{len(set(ranks))} rank(s) to move but {usable} standby(s) ready"
                         f"{where}")
-    plan = []
-    for rank in sorted(set(ranks)):
-        standby, node = pool.take(avoid_node=node_of_rank[rank], strict=leave_hosts)
-        plan.append(Replacement(rank, standby, rank, node))
-    return plan
+    return [Replacement(rank, standby, rank, node) for rank, (standby, node) in
+            _take_standbys(sorted(set(ranks)), pool, node_of_rank, strict=leave_hosts)]
+
+
+def _take_standbys(ranks: list[int], pool: StandbyPool, node_of_rank: dict[int, int], *,
+                   strict: bool) -> list[tuple[int, tuple[str, int]]]:
+    """A standby for each of ``ranks`` (the pool has enough). The ranks of one host go to one
+    other host when one has enough standbys (a spare host first), in local-rank order, so that
+    groups that live inside a host stay inside one; otherwise each takes the best it can."""
+    taken: list[tuple[int, tuple[str, int]]] = []
+    by_node: dict[Optional[int], list[int]] = {}
+    for rank in ranks:
+        by_node.setdefault(node_of_rank.get(rank), []).append(rank)
+    for node, local in by_node.items():
+        together = pool.take_on_one_host(len(local), avoid_node=node) if len(local) > 1 else None
+        if together is not None:
+            taken += list(zip(local, together))
+            continue
+        taken += [(rank, pool.take(avoid_node=node, strict=strict)) for rank in local]
+    return sorted(taken)

@@ -87,3 +87,35 @@ def test_emptying_a_host_uses_only_standbys_elsewhere():
 def test_no_standby_for_a_migration():
     assert plan_migration([0], StandbyPool(), {0: 0}) == Fallback(
         "1 rank(s) to move but 0 standby(s) ready")
+
+
+def test_a_standby_of_a_spare_host_is_taken_first():
+    layout = ParallelLayout.for_world(4, tp=1, pp=2)
+    pool = pool_of(("a0.n0.s0", 0), ("a0.n1.s0", 1), ("a0.n2.s0", 2))
+    pool.spare_nodes = frozenset({2})
+    plan = plan_recovery([1], layout, pool, node_of_rank={1: 0})
+    assert plan == [Replacement(rank=1, standby="a0.n2.s0", twin=0, node=2)]
+    assert sorted(pool.hosts) == ["a0.n0.s0", "a0.n1.s0"]
+
+
+def test_a_hosts_ranks_move_onto_one_spare_host_in_local_rank_order():
+    # Ranks 2 and 3 live on node 1; node 3 is a spare host whose standbys became ready in the
+    # order s1, s0; node 2 has one standby ready before them.
+    pool = pool_of(("a0.n2.s0", 2), ("a0.n3.s1", 3), ("a0.n0.s0", 0), ("a0.n3.s0", 3))
+    pool.spare_nodes = frozenset({3})
+    node_of_rank = {0: 0, 1: 0, 2: 1, 3: 1}
+    plan = plan_migration([3, 2], pool, node_of_rank, leave_hosts=True)
+    assert plan == [Replacement(2, "a0.n3.s0", 2, 3), Replacement(3, "a0.n3.s1", 3, 3)]
+
+
+def test_a_hosts_ranks_stay_together_on_a_worker_host_without_spares():
+    pool = pool_of(("a0.n0.s0", 0), ("a0.n2.s0", 2), ("a0.n2.s1", 2))
+    plan = plan_migration([2, 3], pool, {0: 0, 1: 0, 2: 1, 3: 1}, leave_hosts=True)
+    assert [(item.rank, item.node) for item in plan] == [(2, 2), (3, 2)]
+
+
+def test_no_standby_is_taken_when_a_rank_has_no_twin():
+    pool = pool_of(("s0", 0), ("s1", 0))
+    layout = ParallelLayout.for_world(4, tp=1, pp=2)
+    assert isinstance(plan_recovery([0, 1], layout, pool), Fallback)
+    assert len(pool) == 2

@@ -45,6 +45,40 @@ def test_hostfile_hosts_naming_this_machine_get_local_agents(tmp_path):
     assert config.master_port == 0
 
 
+def test_spare_hosts_run_standbys_and_hold_no_rank(tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("node-a slots=2\nnode-s slots=3 spare\nnode-b slots=2\n")
+    config = parse("--hostfile", str(hostfile), "--policy", "resilient", "--standbys", "1",
+                   "t.py")
+    assert [(n.host, list(n.ranks), n.spare_slots) for n in config.nodes] == [
+        ("node-a", [0, 1], 0), ("node-s", [], 3), ("node-b", [2, 3], 0)]
+    assert config.world_size == 4
+    assert [config.standbys_of(n) for n in config.nodes] == [1, 3, 1]
+    assert config.standby_target == 5
+    marked = parse("--nnodes", "3", "--nproc-per-node", "2", "--spare-hosts", "1",
+                   "--policy", "resilient", "--standbys", "0", "t.py")
+    assert [n.spare_slots for n in marked.nodes] == [0, 0, 2] and marked.world_size == 4
+    assert marked.standby_target == 2
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--nnodes", "2", "--spare-hosts", "2", "--policy", "resilient", "t.py"],
+     "--spare-hosts 2: the job has 2 host\\(s\\); at least one must run workers"),
+    (["--nnodes", "2", "--spare-hosts", "1", "t.py"],
+     "spare host '127.0.0.1' needs --policy resilient"),
+])
+def test_bad_spare_hosts_are_refused(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        parse(*argv)
+
+
+def test_a_hostfile_of_spares_only_is_refused(tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("node-s slots=2 spare\n")
+    with pytest.raises(ConfigError, match="every host of the job is a spare host"):
+        parse("--hostfile", str(hostfile), "--policy", "resilient", "t.py")
+
+
 @pytest.mark.parametrize(
     "text, message",
     [

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from gpt_jobs import EXAMPLE, LAUNCH, MODEL, digest, pretrain, read_events
+from mover_plugin.testing import run_command
 
 pytest.importorskip("megatron.core")
 
@@ -156,3 +157,25 @@ def test_bad_resilience_input_fails_before_anything_starts(launcher_flags, scrip
     (line,) = result.stderr.strip().splitlines()
     assert line.startswith("mover-launch: error: ") and message in line
     assert "starting" not in result.output
+
+
+def test_a_spare_hosts_standby_takes_the_lost_rank(tmp_path, reference_pp2):
+    """A spare host (its own agent, one standby, no worker) replaces a rank of the worker host;
+    the worker host runs no standby."""
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("127.0.0.1 slots=4\n127.0.0.2 slots=1 spare\n")
+    summary, events = tmp_path / "summary.json", tmp_path / "events.jsonl"
+    result = run_command(
+        [*LAUNCH, "--hostfile", str(hostfile), "--standalone", "--policy", "resilient",
+         "--standbys", "0", "--summary", str(summary), "--event-log", str(events),
+         "--stop-grace-s", "2", "--inject-failure", "3:4", EXAMPLE, *MODEL, *PP2],
+        timeout_s=300)
+    assert result.returncode == 0, result.output[-5000:]
+    assert digest(result) == digest(reference_pp2)
+    summary, events = json.loads(summary.read_text()), read_events(events)
+    assert summary["steps_completed"] == 10 and summary["restarts"] == 0
+    (interruption,) = summary["interruptions"]
+    check_standby_recovery(interruption, events, rank=3)
+    (promote,) = [e for e in events if e["event"] == "promote"]
+    assert promote["standby"] == "a0.n1.s0"
+    assert [e["standby"] for e in events if e["event"] == "standby_ready"] == ["a0.n1.s0"]

@@ -41,7 +41,8 @@ def test_a_fault_point_other_than_the_armed_one_does_nothing():
     "faults.arm('commit=1'); faults.before_vote(1, lambda: True, timeout_s=5.0)",
 ])
 def test_the_armed_fault_kills_its_process_with_sigkill(code):
-    program = f"from mover_plugin.runtime.faults import FaultInjector\nfaults = FaultInjector()\n{code}\n"
+    program = ("from mover_plugin.runtime.faults import FaultInjector\n"
+               f"faults = FaultInjector()\n{code}\n")
     result = subprocess.run([sys.executable, "-c", program], timeout=60, capture_output=True)
     assert result.returncode == -signal.SIGKILL
 
