@@ -133,7 +133,6 @@ JsonType = Union[type, tuple[type, ...]]
 NUMBER: tuple[type, ...] = (int, float)
 OPTIONAL_INT: tuple[type, ...] = (int, type(None))
 OPTIONAL_STR: tuple[type, ...] = (str, type(None))
-OPTIONAL_NUMBER: tuple[type, ...] = (int, float, type(None))
 
 
 @dataclass(frozen=True)
