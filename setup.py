@@ -28,7 +28,11 @@ setup(
     install_requires=["torch>=2.4", "numpy", "packaging"],
     extras_require={
         "megatron": ["megatron-core>=0.19.2,<0.20"],
-        # What megatron.training (shipped in the megatron-core wheel) imports.
+        # Megatron-LM's training loop (megatron.training, in the megatron-core wheel): in 0.19.2
+        # it imports nothing beyond megatron-core's own requirements (checked in a fresh venv with
+        # mock data and NullTokenizer); Megatron-LM's other tokenizers need [megatron-training].
+        "megatron-lm": ["megatron-core>=0.19.2,<0.20"],
+        # megatron-core's [mlm]: Megatron-LM's tokenizers and loggers (megatron.training).
         "megatron-training": ["megatron-core[mlm]>=0.19.2,<0.20"],
         "deepspeed": ["deepspeed>=0.19.8,<0.20"],
         "test": ["pytest>=8"],

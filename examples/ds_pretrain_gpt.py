@@ -272,15 +272,11 @@ def is_logging_rank() -> bool:
 def report_params_digest(engine) -> None:
     import torch.distributed as dist
 
-    from mover_plugin.digest import combine_digests, gather_rank_digests, mismatched_replicas
+    from mover_plugin.digest import report_params_digest as report
     from mover_plugin.layout import ParallelLayout
 
-    digests = gather_rank_digests(engine.module.named_parameters())
-    if dist.get_rank() == 0:
-        layout = ParallelLayout.for_world(dist.get_world_size(), 1, engine.num_stages)
-        mismatched = mismatched_replicas(layout, digests)
-        print(f"DP_REPLICAS {'identical' if not mismatched else f'DIFFER in {mismatched}'}")
-        print(f"PARAMS_DIGEST {combine_digests(digests)}", flush=True)
+    report(engine.module.named_parameters(),
+           ParallelLayout.for_world(dist.get_world_size(), 1, engine.num_stages))
 
 
 def report_peer_copy(resilience) -> None:

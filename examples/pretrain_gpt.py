@@ -75,9 +75,10 @@ def apply_cpu_patches_if_needed() -> None:
     import torch
 
     if not torch.cuda.is_available():
-        from mover_plugin.patches import apply_patches
+        from mover_plugin.patches import apply_inactive_patches
 
-        apply_patches("megatron-cpu")
+        # Those mover-launch's worker command has not applied already (notriton).
+        apply_inactive_patches("megatron-cpu")
 
 
 def start_resilience(args: argparse.Namespace, dataset):
@@ -399,18 +400,12 @@ def is_logging_rank() -> bool:
 
 
 def report_params_digest(args, model) -> None:
-    import torch.distributed as dist
-
-    from mover_plugin.digest import combine_digests, gather_rank_digests, mismatched_replicas
+    from mover_plugin.digest import report_params_digest as report
     from mover_plugin.layout import ParallelLayout
 
-    digests = gather_rank_digests(model.module.named_parameters())
-    if dist.get_rank() == 0:
-        layout = ParallelLayout.for_world(args.world_size, args.tensor_model_parallel_size,
-                                          args.pipeline_model_parallel_size)
-        mismatched = mismatched_replicas(layout, digests)
-        print(f"DP_REPLICAS {'identical' if not mismatched else f'DIFFER in {mismatched}'}")
-        print(f"PARAMS_DIGEST {combine_digests(digests)}", flush=True)
+    report(model.module.named_parameters(),
+           ParallelLayout.for_world(args.world_size, args.tensor_model_parallel_size,
+                                    args.pipeline_model_parallel_size))
 
 
 def shutdown(resilience) -> None:

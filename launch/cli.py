@@ -85,7 +85,7 @@ def _agent_config(config: LaunchConfig, node_rank: int, port: int) -> AgentConfi
         world_size=config.world_size,
         master_addr=config.master_addr,
         master_port=port,
-        command=config.command,
+        command=config.worker_command,
         injections=tuple(i for i in config.injections if i.rank in node.ranks),
         migrations=tuple(i for i in config.migrations if i.rank in node.ranks),
         stop_grace_s=config.stop_grace_s,

@@ -23,6 +23,8 @@ from mover_plugin.launch.slurm import SlurmAllocation, allocation_from_env
 POLICIES = ("restart", "resilient")
 DEFAULT_MASTER_PORT = 29500
 DEFAULT_MASTER_ADDR = "127.0.0.1"
+RUN_MODULE = "mover_plugin.launch.run"
+"""The module every worker runs its script through (see ``LaunchConfig.worker_command``)."""
 
 
 @dataclass(frozen=True)
@@ -106,7 +108,7 @@ class LaunchConfig:
     master_port: int
     """Port of the control-plane store; 0 lets the OS choose (single-machine jobs only)."""
     command: tuple[str, ...]
-    """The worker command: the interpreter, ``-u``, the script (or ``-m module``) and its args."""
+    """The user's command: the interpreter, ``-u``, the script (or ``-m module``) and its args."""
     policy: str = "restart"
     max_restarts: int = 3
     injections: tuple[FailureInjection, ...] = ()
@@ -134,6 +136,13 @@ class LaunchConfig:
     @property
     def world_size(self) -> int:
         return sum(node.nproc for node in self.nodes)
+
+    @property
+    def worker_command(self) -> tuple[str, ...]:
+        """What the agents run: the user's command through ``python -m mover_plugin.launch.run``
+        (:mod:`mover_plugin.launch.run`), which installs the framework hooks first."""
+        interpreter, unbuffered, *target = self.command
+        return (interpreter, unbuffered, "-m", RUN_MODULE, *target)
 
     def standbys_of(self, node: NodeSpec) -> int:
         """Standbys the agent of ``node`` starts: a spare host one per slot, a worker host

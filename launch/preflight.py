@@ -1,12 +1,15 @@
 """Checking a training script's own flags before any worker starts.
 
 A script that parses its flags with mover_plugin (``mover_plugin.megatron.arguments``,
-``mover_plugin.deepspeed.arguments``; :mod:`mover_plugin.runtime.preflight`) checks
-them when ``MOVER_PREFLIGHT=1`` is set, before importing its framework, and exits: with a line
-starting :data:`PREFLIGHT_OK` on stdout, or with :data:`PREFLIGHT_ERROR` and the message on
-stderr. The launcher runs it that way once, with the job's ``WORLD_SIZE``, so that bad input
-gives one clear error before any worker starts. Scripts that do not parse their flags with
-mover_plugin are not run in this mode.
+``mover_plugin.deepspeed.arguments``; :mod:`mover_plugin.runtime.preflight`), or with
+Megatron-LM's ``megatron.training`` (checked by Megatron-LM's own ``validate_args`` and then
+mover_plugin's, through the hooks the worker command installs), checks them when
+``MOVER_PREFLIGHT=1`` is set, before any process group exists, and exits: with a line
+``MOVER_PREFLIGHT_OK resilient=0|1`` on stdout, or with :data:`PREFLIGHT_ERROR` and the message
+on stderr. The launcher runs it that way once, with the job's ``WORLD_SIZE``, so that bad input
+gives one clear error before any worker starts; with ``--policy resilient`` it also refuses a
+script that was not given its resilience flag (the standbys would have nothing to join).
+Scripts that import neither are not run in this mode.
 """
 
 from __future__ import annotations
@@ -19,13 +22,13 @@ from mover_plugin.errors import ConfigError
 from mover_plugin.launch.config import LaunchConfig
 from mover_plugin.contract import PREFLIGHT_ENV, PREFLIGHT_ERROR, PREFLIGHT_OK
 
-_MARKERS = ("mover_plugin.megatron", "mover_plugin.deepspeed")
-"""A script that imports one of these parses its flags with mover_plugin."""
+_MARKERS = ("mover_plugin.megatron", "mover_plugin.deepspeed", "megatron.training")
+"""A script that imports one of these parses its flags with mover_plugin or Megatron-LM."""
 _TIMEOUT_S = 120.0
 
 
 def supports_preflight(script: str) -> bool:
-    """True when the script parses its flags with mover_plugin."""
+    """True when the script parses its flags with mover_plugin or Megatron-LM."""
     try:
         text = Path(script).read_text(errors="replace")
     except OSError:
@@ -48,9 +51,11 @@ def run_preflight(config: LaunchConfig) -> None:
          "WORLD_SIZE": str(config.world_size),
          "LOCAL_WORLD_SIZE": str(config.nodes[0].local_world_size)}
     )
-    result = subprocess.run(list(config.command), env=env, capture_output=True, text=True,
-                            timeout=_TIMEOUT_S, stdin=subprocess.DEVNULL)
-    if result.returncode == 0 and PREFLIGHT_OK in result.stdout:
+    result = subprocess.run(list(config.worker_command), env=env, capture_output=True,
+                            text=True, timeout=_TIMEOUT_S, stdin=subprocess.DEVNULL)
+    verdict = _ok_line(result.stdout)
+    if result.returncode == 0 and verdict is not None:
+        _check_policy(config, resilient=verdict.endswith("resilient=1"))
         return
     errors = [line for line in result.stderr.splitlines() if line.startswith(PREFLIGHT_ERROR)]
     if errors:
@@ -61,3 +66,17 @@ def run_preflight(config: LaunchConfig) -> None:
         f"{Path(script).name} failed while checking its flags (exit code {result.returncode}):\n"
         f"{tail}\n(pass --no-preflight to skip this check)"
     )
+
+
+def _ok_line(stdout: str) -> str | None:
+    return next((line.strip() for line in stdout.splitlines()
+                 if line.startswith(PREFLIGHT_OK)), None)
+
+
+def _check_policy(config: LaunchConfig, *, resilient: bool) -> None:
+    if config.policy == "resilient" and not resilient:
+        raise ConfigError(
+            f"--policy resilient: {Path(config.script_path or '').name} does not run resilient; "
+            "add --resilient to the script's flags (DeepSpeed: an enabled \"resilience\" block "
+            "in its config), or use --policy restart"
+        )

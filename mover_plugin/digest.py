@@ -43,3 +43,14 @@ def mismatched_replicas(layout: ParallelLayout, rank_digests: list[str]) -> list
     """The data-parallel groups whose members do not all hold the same parameters."""
     return [group for group in layout.replica_sets()
             if len({rank_digests[rank] for rank in group}) > 1]
+
+
+def report_params_digest(named_parameters: Iterable[tuple[str, torch.Tensor]],
+                         layout: ParallelLayout) -> None:
+    """Collective over the default group; rank 0 prints ``DP_REPLICAS`` (whether the
+    data-parallel replicas are identical) and ``PARAMS_DIGEST <hex>``."""
+    digests = gather_rank_digests(named_parameters)
+    if dist.get_rank() == 0:
+        mismatched = mismatched_replicas(layout, digests)
+        print(f"DP_REPLICAS {'identical' if not mismatched else f'DIFFER in {mismatched}'}")
+        print(f"PARAMS_DIGEST {combine_digests(digests)}", flush=True)

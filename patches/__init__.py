@@ -17,7 +17,11 @@ tested for, and a condition saying when it is wanted. The patches are:
   (:mod:`mover_plugin.patches.local_collectives`) keeps a joining standby's model build from
   talking to the running ranks. The ``deepspeed-cpu`` group
   (:mod:`mover_plugin.patches.deepspeed_cpu`) lets DeepSpeed 0.19 train on CPU processes and
-  re-enter a training step that lost a peer.
+  re-enter a training step that lost a peer. For Megatron-LM's own training loop
+  (``megatron.training``), the ``megatron-lm-cpu`` group
+  (:mod:`mover_plugin.patches.megatron_lm_cpu`) adds the CPU stand-ins that loop needs, and the
+  ``megatron-lm-hooks`` group (:mod:`mover_plugin.patches.megatron_lm_hooks`) the hook points
+  through which mover_plugin enters it.
 
 Applying a patch that is already applied raises :class:`~mover_plugin.errors.PatchError`.
 
@@ -30,7 +34,13 @@ Example::
         ...                   # build and train a Megatron-Core model on CPU with gloo
 """
 
-from mover_plugin.patches import deepspeed_cpu, local_collectives, megatron_cpu
+from mover_plugin.patches import (
+    deepspeed_cpu,
+    local_collectives,
+    megatron_cpu,
+    megatron_lm_cpu,
+    megatron_lm_hooks,
+)
 from mover_plugin.patches.registry import (
     DEFAULT_REGISTRY,
     AppliedPatches,
@@ -39,6 +49,7 @@ from mover_plugin.patches.registry import (
     PatchRegistry,
     Undo,
     active_patches,
+    apply_inactive_patches,
     apply_patches,
     available_patches,
     patch_groups,
@@ -53,11 +64,14 @@ __all__ = [
     "PatchRegistry",
     "Undo",
     "active_patches",
+    "apply_inactive_patches",
     "apply_patches",
     "available_patches",
     "deepspeed_cpu",
     "local_collectives",
     "megatron_cpu",
+    "megatron_lm_cpu",
+    "megatron_lm_hooks",
     "patch_groups",
     "register_patch",
 ]

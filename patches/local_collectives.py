@@ -9,12 +9,15 @@ neighbouring stages. Their results are overwritten by the state the joiner then 
 its twin, so during the build this patch makes them local: ``all_reduce``, ``broadcast``,
 ``barrier``, ``send`` and ``recv`` leave their inputs as they are, ``all_gather_object`` fills
 every slot with this rank's object and ``all_gather``/``all_gather_into_tensor`` with this
-rank's tensor. Use it only around the
-joiner's build, as a ``with`` block.
+rank's tensor. Megatron-Core's timers bind their all-gather when ``megatron.core.timers`` is
+imported; while that module is loaded, its binding is made local too. Use it only around the
+joiner's build, as a ``with`` block (Megatron-LM's loop: from the joiner's distributed set-up to
+its first iteration).
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -55,6 +58,19 @@ def _apply() -> Undo:
     return swap.restore
 
 
+TIMERS_MODULE = "megatron.core.timers"
+
+
+def _timers_loaded() -> bool:
+    return TIMERS_MODULE in sys.modules
+
+
+def _apply_timers() -> Undo:
+    swap = AttributeSwap()
+    swap.set_attr(sys.modules[TIMERS_MODULE], "dist_all_gather_func", _gather_into_tensor_locally)
+    return swap.restore
+
+
 register_patch(
     Patch(
         name="local-collectives-build",
@@ -62,6 +78,18 @@ register_patch(
         tested_versions=">=2.4,<2.15",
         description="collectives of torch.distributed act locally (a joiner's model build)",
         apply=_apply,
+        groups=(GROUP,),
+    )
+)
+
+register_patch(
+    Patch(
+        name="local-collectives-timers",
+        distribution="megatron-core",
+        tested_versions=">=0.19.0,<0.20",
+        description="Megatron-Core's timers gather their times locally (a joiner's start-up)",
+        apply=_apply_timers,
+        condition=_timers_loaded,
         groups=(GROUP,),
     )
 )

@@ -17,22 +17,30 @@ Megatron modules are imported inside the apply functions. Use::
     with apply_patches("megatron-cpu"):
         ...  # build and train a Megatron model on CPU
 
-There is no stand-in for ``megatron.core.transformer.custom_layers.batch_invariant_kernels``
-(which imports triton unconditionally): no module of megatron-core imports it on the path of
-``GPTModel``, ``DistributedDataParallel``, ``get_megatron_optimizer`` and the pipeline schedules;
-only Megatron-LM's ``megatron.training.initialize`` does.
+One patch of the group has its own condition: ``notriton`` applies only when triton (about
+1 GB, installed with PyPI's CUDA build of torch) is not installed. Two modules of megatron-core
+0.19 import it unconditionally: ``transformer.moe.ops.paged_stash`` (imported by ``GPTModel``
+and the pipeline schedules, for MoE paged stashing) and
+``transformer.custom_layers.batch_invariant_kernels`` (imported by Megatron-LM's
+``megatron.training.initialize``). Stand-ins take their names; their kernels raise if called
+(MoE paged stashing and batch-invariant mode need triton). ``notriton`` is registered first
+and must be applied before any module of megatron-core is imported.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import logging
+import sys
+import types
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from mover_plugin.errors import PatchError
 from mover_plugin.patches.registry import AttributeSwap, Patch, Undo, register_patch
 
 logger = logging.getLogger(__name__)
@@ -54,7 +62,13 @@ def cuda_unavailable() -> bool:
     return not torch.cuda.is_available()
 
 
-def _cpu_patch(name: str, description: str) -> Callable[[Callable[[], Undo]], Callable[[], Undo]]:
+def triton_missing() -> bool:
+    """The condition of ``notriton``: triton is not installed."""
+    return importlib.util.find_spec("triton") is None
+
+
+def _cpu_patch(name: str, description: str, condition: Callable[[], bool] = cuda_unavailable
+               ) -> Callable[[Callable[[], Undo]], Callable[[], Undo]]:
     """Register the decorated apply function as a patch of the ``megatron-cpu`` group."""
 
     def decorate(apply: Callable[[], Undo]) -> Callable[[], Undo]:
@@ -65,13 +79,64 @@ def _cpu_patch(name: str, description: str) -> Callable[[Callable[[], Undo]], Ca
                 tested_versions=TESTED_VERSIONS,
                 description=description,
                 apply=apply,
-                condition=cuda_unavailable,
+                condition=condition,
                 groups=(GROUP,),
             )
         )
         return apply
 
     return decorate
+
+
+# --- notriton ------------------------------------------------------------------------------------
+
+TRITON_MODULES = {
+    "megatron.core.transformer.moe.ops.paged_stash": {
+        "GLOBAL_BLOCK_SIZE": 1024,
+        "paged_stash_copy_kernel": None,
+        "paged_stash_pop_kernel": None,
+    },
+    "megatron.core.transformer.custom_layers.batch_invariant_kernels": {
+        "enable_batch_invariant_mode": None,
+        "set_batch_invariant_mode": None,
+        "is_batch_invariant_mode_enabled": lambda: False,
+    },
+}
+"""The modules of megatron-core that import triton unconditionally, and what their stand-ins
+hold (None: a function that raises, the feature needs triton)."""
+
+
+def _needs_triton(name: str) -> Callable[..., Any]:
+    def unavailable(*args: Any, **kwargs: Any) -> None:
+        raise PatchError(f"{name} needs triton, which is not installed")
+
+    return unavailable
+
+
+def _triton_free_stand_in(module_name: str, contents: dict[str, Any]) -> types.ModuleType:
+    module = types.ModuleType(module_name, "Stand-in without triton (mover_plugin notriton).")
+    for name, value in contents.items():
+        setattr(module, name, _needs_triton(f"{module_name}.{name}") if value is None else value)
+    return module
+
+
+@_cpu_patch("notriton", "without triton, stand-ins for the two megatron-core modules that "
+            "import it", condition=triton_missing)
+def apply_notriton() -> Undo:
+    """Put the stand-ins into ``sys.modules`` before any module of megatron-core imports them.
+
+    Needed by ``GPTModel`` and ``pipeline_parallel.schedules`` (through
+    ``transformer.moe.paged_stash``) and by Megatron-LM's ``training.initialize``. A stub
+    ``triton`` package would not do: ``torch._dynamo`` reads ``triton.language.dtype`` whenever
+    triton is importable."""
+    imported = [name for name in TRITON_MODULES if name in sys.modules]
+    if imported:
+        raise PatchError(f"{', '.join(imported)} imported already; apply 'notriton' before "
+                         "any module of megatron-core is imported")
+    swap = AttributeSwap()
+    for module_name, contents in TRITON_MODULES.items():
+        swap.set_item(sys.modules, module_name, _triton_free_stand_in(module_name, contents))
+    return swap.restore
 
 
 # --- rng -----------------------------------------------------------------------------------------

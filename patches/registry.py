@@ -235,6 +235,9 @@ class PatchRegistry:
     def __init__(self) -> None:
         self._patches: dict[str, Patch] = {}
         self._active: dict[str, AppliedPatches] = {}
+        self._in_flight: list[str] = []
+        """Patches applied so far by an :meth:`apply` still running (an ``apply`` function that
+        imports a module can trigger a nested apply in the same thread)."""
         self._lock = threading.RLock()
 
     def register(self, patch: Patch) -> Patch:
@@ -279,8 +282,10 @@ class PatchRegistry:
         return result
 
     def active(self) -> tuple[str, ...]:
-        """Names of the patches currently applied through this registry."""
-        return tuple(self._active)
+        """Names of the patches currently applied through this registry (those an ``apply``
+        still running has applied so far included)."""
+        with self._lock:
+            return (*self._active, *(name for name in self._in_flight if name not in self._active))
 
     def resolve(self, group_or_names: str | Iterable[str]) -> tuple[Patch, ...]:
         """Turn a group name, a patch name, or an iterable of either into patches.
@@ -320,7 +325,11 @@ class PatchRegistry:
             skipped = tuple(name for name, ok in wanted.items() if not ok)
             for patch in selected:
                 self._check_can_apply(patch)
-            applied = self._apply_each(selected)
+            outer = len(self._in_flight)
+            try:
+                applied = self._apply_each(selected)
+            finally:
+                del self._in_flight[outer:]
             result = AppliedPatches(self, applied, skipped)
             for patch, _ in applied:
                 self._active[patch.name] = result
@@ -330,7 +339,7 @@ class PatchRegistry:
         return result
 
     def _check_can_apply(self, patch: Patch) -> None:
-        if patch.name in self._active:
+        if patch.name in self._active or patch.name in self._in_flight:
             raise PatchError(
                 f"patch {patch.name!r} is already applied; revert it before applying it again"
             )
@@ -348,6 +357,7 @@ class PatchRegistry:
                     f"reverted {[done.name for done, _ in applied]}"
                 ) from exc
             applied.append((patch, undo))
+            self._in_flight.append(patch.name)
             logger.debug("applied patch %r: %s", patch.name, patch.description)
         return applied
 
@@ -381,6 +391,14 @@ def apply_patches(group_or_names: str | Iterable[str]) -> AppliedPatches:
         UnsupportedVersionError: an installed version is outside a patch's tested range.
     """
     return DEFAULT_REGISTRY.apply(group_or_names)
+
+
+def apply_inactive_patches(group_or_names: str | Iterable[str]) -> AppliedPatches:
+    """:func:`apply_patches` for those of the patches that are not applied already (by an
+    earlier caller, e.g. the worker command before the script's own call)."""
+    active = set(DEFAULT_REGISTRY.active())
+    return DEFAULT_REGISTRY.apply([patch.name for patch in DEFAULT_REGISTRY.resolve(group_or_names)
+                                   if patch.name not in active])
 
 
 def available_patches() -> tuple[Patch, ...]:

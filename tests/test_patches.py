@@ -9,6 +9,7 @@ that everything is put back afterwards.
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import logging
 import math
 import subprocess
@@ -224,6 +225,31 @@ def test_unknown_names_duplicates_and_bad_ranges(target: types.SimpleNamespace) 
         _setting_patch("c", target, "alpha", "A", tested_versions="about 0.16")
 
 
+def test_a_nested_apply_sees_the_patches_its_outer_apply_has_applied(
+    target: types.SimpleNamespace,
+) -> None:
+    # An apply function that imports a module can trigger a nested apply (the worker command's
+    # import hook); it must see what the outer call applied so far, and apply nothing twice.
+    registry = PatchRegistry()
+    registry.register(_setting_patch("first", target, "alpha", "A"))
+    nested: list[tuple[str, ...]] = []
+
+    def apply_second() -> Callable[[], None]:
+        inner = registry.apply([name for name in ("first",) if name not in registry.active()])
+        nested.append(inner.names)
+        with pytest.raises(PatchError, match="already applied"):
+            registry.apply(["first"])
+        return lambda: None
+
+    registry.register(Patch("second", "packaging", ">=1", "nests", apply_second,
+                            groups=("fake",)))
+    applied = registry.apply("fake")
+    assert nested == [()] and applied.names == ("first", "second")
+    assert registry.active() == ("first", "second") and target.alpha == "A"
+    applied.revert()
+    assert registry.active() == ()
+
+
 def test_swap_restores_mapping_entries() -> None:
     mapping = {"kept": 1}
     swap = AttributeSwap()
@@ -239,13 +265,15 @@ def test_swap_restores_mapping_entries() -> None:
 
 def test_megatron_cpu_group_is_registered_with_its_range() -> None:
     group = patch_groups()[megatron_cpu.GROUP]
-    assert group == ("rng", "curdev", "factory", "sync", "stream", "clip", "typestr")
+    assert group == ("notriton", "rng", "curdev", "factory", "sync", "stream", "clip", "typestr")
     patches = {p.name: p for p in available_patches()}
     for name in group:
         assert patches[name].distribution == "megatron-core"
         assert patches[name].tested_versions == ">=0.19.0,<0.20"
         assert patches[name].description and patches[name].apply.__doc__
-        assert patches[name].condition() is (not torch.cuda.is_available())
+        wanted = (importlib.util.find_spec("triton") is None if name == "notriton"
+                  else not torch.cuda.is_available())
+        assert patches[name].condition() is wanted
 
 
 def test_importing_the_package_applies_nothing_and_imports_no_megatron() -> None:
@@ -475,7 +503,10 @@ def test_megatron_cpu_group_trains_deterministically_and_reverts() -> None:
 
     applied = apply_patches("megatron-cpu")
     try:
-        assert applied.names == patch_groups()["megatron-cpu"] and applied.skipped == ()
+        skipped = ("notriton",) if megatron_cpu.triton_missing() is False else ()
+        assert applied.skipped == skipped
+        assert applied.names == tuple(name for name in patch_groups()["megatron-cpu"]
+                                      if name not in skipped)
         assert torch.cuda.current_device() == "cpu"
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         parallel_state.initialize_model_parallel(1, 1)
@@ -513,3 +544,86 @@ def test_megatron_cpu_group_trains_deterministically_and_reverts() -> None:
     with pytest.raises((AssertionError, RuntimeError),
                        match="not compiled with CUDA|NVIDIA driver"):
         torch.cuda.current_device()
+
+
+# --- the megatron-lm-cpu group and the megatron-lm hooks (Megatron-LM's megatron.training) -------
+
+_LM_CPU_CHECK = """
+import sys, torch
+{block_triton}
+from mover_plugin.patches import apply_patches, patch_groups
+from mover_plugin.patches import megatron_lm_cpu as lm
+originals = (torch.cuda.device_count, torch.cuda.set_device)
+applied = apply_patches(["megatron-cpu", "megatron-lm-cpu"])
+import megatron.training.training as training, megatron.training.initialize as initialize
+import megatron.training.arguments as arguments, megatron.core.datasets.utils as utils
+assert torch.cuda.device_count() == 1
+assert training.initialize_megatron.__wrapped__ is initialize.initialize_megatron
+assert utils.compile_helpers is lm.use_prebuilt_helpers
+assert arguments.get_device_arch_version() == 0
+print("APPLIED", ",".join(applied.names))
+print("SKIPPED", ",".join(applied.skipped))
+print("STAND_IN", sys.modules["megatron.core.transformer.moe.ops.paged_stash"].__doc__)
+applied.revert()
+assert (torch.cuda.device_count, torch.cuda.set_device) == originals
+assert training.initialize_megatron is initialize.initialize_megatron
+assert utils.compile_helpers.__module__ == "megatron.core.datasets.utils"
+print("REVERTED")
+"""
+
+
+def _run_lm_cpu_check(block_triton: bool) -> subprocess.CompletedProcess:
+    code = _LM_CPU_CHECK.format(block_triton="sys.modules['triton'] = None" if block_triton
+                                else "")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=180)
+
+
+def test_megatron_lm_cpu_group_applies_before_megatron_training_and_reverts() -> None:
+    pytest.importorskip("megatron.training")
+    if torch.cuda.is_available():
+        pytest.skip("the megatron-lm-cpu shims apply only without CUDA")
+    # Without triton (sys.modules entry None: find_spec says absent, import fails), the
+    # stand-in takes the name of the one module that imports it.
+    result = _run_lm_cpu_check(block_triton=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert ("APPLIED notriton,rng,curdev,factory,sync,stream,clip,typestr,nocuda-assert,"
+            "devcount,setdev,helpers,nowarmup,devarch") in result.stdout
+    assert "Stand-in without triton" in result.stdout and "REVERTED" in result.stdout
+    # With triton installed (as PyPI's CUDA build of torch brings it), notriton is skipped.
+    if importlib.util.find_spec("triton") is not None:
+        installed = _run_lm_cpu_check(block_triton=False)
+        assert installed.returncode == 0, installed.stderr[-3000:]
+        assert "SKIPPED notriton" in installed.stdout
+    # Negative control: without the stand-in, megatron.training cannot be imported then.
+    control = subprocess.run(
+        [sys.executable, "-c", "import sys; sys.modules['triton'] = None\n"
+         "import megatron.training"], capture_output=True, text=True, timeout=180)
+    assert control.returncode != 0 and "triton" in control.stderr
+
+
+def test_megatron_lm_hooks_pass_through_and_revert() -> None:
+    pytest.importorskip("megatron.training")
+    code = (
+        "import sys\n"
+        "from mover_plugin.patches.megatron_lm_hooks import MegatronLMHooks, install_hooks\n"
+        "import megatron.training.arguments as a, megatron.training.training as t\n"
+        "originals = (a.parse_args, a.parse_and_validate_args, t.train)\n"
+        "class Flags(MegatronLMHooks):\n"
+        "    def add_arguments(self, parser):\n"
+        "        parser.add_argument('--extra-flag', type=int, default=0)\n"
+        "        return parser\n"
+        "applied = install_hooks(Flags())\n"
+        "assert (a.parse_args, a.parse_and_validate_args, t.train) != originals\n"
+        "sys.argv = ['x', '--extra-flag', '3', '--num-layers', '2']\n"
+        "args = a.parse_args()\n"
+        "print('EXTRA', args.extra_flag, args.num_layers)\n"
+        "applied.revert()\n"
+        "assert (a.parse_args, a.parse_and_validate_args, t.train) == originals\n"
+        "install_hooks(MegatronLMHooks()).revert()\n"
+        "print('REVERTED')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "EXTRA 3 2" in result.stdout and "REVERTED" in result.stdout

@@ -46,6 +46,11 @@ class DeepSpeedResilience:
     standbys: int = 1
     peer_copy: bool = False
 
+    @property
+    def enabled(self) -> bool:
+        """Whether the script runs under the resilience runtime."""
+        return self.settings.enabled
+
 
 def parse_block(block: Any, where: str) -> DeepSpeedResilience:
     """Checks a ``"resilience"`` block (``where`` names the config file in errors)."""

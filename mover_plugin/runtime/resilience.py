@@ -98,6 +98,12 @@ class ResilienceRuntime:
         self._watch: Optional[NoticeWatcher] = None
         self._await_standbys = False
         """Set until the first step of a rank that started with the job."""
+        self.switch_before_next_step = False
+        """Where a planned switch agreed on in an iteration happens: at the end of that
+        iteration (False), or at the start of the next :meth:`run_step` (True: for a training
+        loop that runs collectives of its own between two steps, such as Megatron-LM's
+        logging, which the leaver, not the joiner, must take part in)."""
+        self._last_step_s = 0.0
 
     @classmethod
     def connect(cls, settings: ResilienceSettings,
@@ -225,6 +231,8 @@ class ResilienceRuntime:
         Returns the step's result (None when the iteration was completed during a switch)
         and the number of iterations completed.
         """
+        if self.migration.switch_agreed and self.switch_before_next_step:
+            self.migration.switch_at_boundary(self._last_step_s)
         self.progress.generation = self.generation  # deferred after a planned switch
         if self._await_standbys:
             self._wait_for_standbys()
@@ -236,8 +244,9 @@ class ResilienceRuntime:
                 result = step(iteration)
                 self.adapter.after_step(iteration)
                 self.ledger.end()
-                if self.migration.switch_agreed:
-                    self.migration.switch_at_boundary(time.time() - started)
+                self._last_step_s = time.time() - started
+                if self.migration.switch_agreed and not self.switch_before_next_step:
+                    self.migration.switch_at_boundary(self._last_step_s)
                 return result, iteration + 1
             except Exception as error:  # noqa: BLE001 - filtered just below
                 if not is_peer_failure(error):
@@ -247,6 +256,16 @@ class ResilienceRuntime:
             if target != iteration:
                 self.ledger.end()
                 return None, target
+
+    def recover_between_steps(self, error: BaseException) -> int:
+        """For a peer lost while this rank ran the training loop's own collectives between
+        two steps (Megatron-LM's logging): the same switch as inside a step, from a completed
+        iteration (nothing is redone). Re-raises an error that is not a lost peer; returns
+        the iteration all ranks are at."""
+        if not is_peer_failure(error):
+            raise error
+        self._leave_step(error)
+        return self._switch_generation({})
 
     def _wait_for_standbys(self) -> None:
         """Training starts protected: its first step waits until the standbys are ready

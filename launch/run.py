@@ -1,0 +1,129 @@
+"""``python -m mover_plugin.launch.run SCRIPT [ARGS...]`` (or ``-m MODULE [ARGS...]``): run a
+training script the way ``mover-launch``'s workers run it.
+
+Every worker of ``mover-launch`` runs its script through this module. It runs the script as
+``python SCRIPT ARGS`` would (``__main__``, ``sys.argv``, the script's folder first on
+``sys.path``), after arranging that, when the script first imports a framework that
+mover_plugin drives, mover_plugin's part is put in place around that import. Today that is
+Megatron: before ``megatron.core``, the stand-ins for triton when it is not installed; after
+Megatron-LM's ``megatron.training``, its CPU stand-ins and hooks
+(:mod:`mover_plugin.megatron.training_loop`). A script that
+imports no such framework runs unchanged, and nothing is imported before it needs it.
+
+Under ``torchrun`` the same module gives the same behaviour::
+
+    torchrun --nproc-per-node 4 -m mover_plugin.launch.run pretrain_gpt.py <Megatron-LM flags>
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import os
+import runpy
+import sys
+from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import Any, Optional
+
+USAGE = "usage: python -m mover_plugin.launch.run SCRIPT [ARGS...] | -m MODULE [ARGS...]"
+
+
+class _HookedLoader(importlib.abc.Loader):
+    """Runs ``before`` and ``after`` around the module code of one module."""
+
+    def __init__(self, loader: importlib.abc.Loader, before: Callable[[], None],
+                 after: Callable[[], None]) -> None:
+        self._loader = loader
+        self._before = before
+        self._after = after
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> Optional[ModuleType]:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self._before()
+        self._loader.exec_module(module)
+        self._after()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)
+
+
+class FirstImportHook(importlib.abc.MetaPathFinder):
+    """Calls ``before()`` and ``after()`` around the first import of module ``name``; a
+    module imported already is left alone."""
+
+    def __init__(self, name: str, before: Callable[[], None], after: Callable[[], None]) -> None:
+        self.name = name
+        self._before = before
+        self._after = after
+
+    def install(self) -> None:
+        if self.name not in sys.modules:
+            sys.meta_path.insert(0, self)
+
+    def find_spec(self, fullname: str, path: Optional[Sequence[str]],
+                  target: Optional[ModuleType] = None) -> Optional[importlib.machinery.ModuleSpec]:
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = _find_with_others(fullname, path, target)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _HookedLoader(spec.loader, self._before, self._after)
+        return spec
+
+
+def _find_with_others(fullname: str, path: Optional[Sequence[str]],
+                      target: Optional[ModuleType]) -> Optional[importlib.machinery.ModuleSpec]:
+    for finder in sys.meta_path:
+        find_spec = getattr(finder, "find_spec", None)
+        if find_spec is None:
+            continue
+        spec = find_spec(fullname, path, target)
+        if spec is not None:
+            return spec
+    return None
+
+
+def _nothing() -> None:
+    pass
+
+
+def _before_megatron() -> None:
+    from mover_plugin.megatron.training_loop import before_megatron_import
+
+    before_megatron_import()
+
+
+def _after_megatron_training() -> None:
+    from mover_plugin.megatron.training_loop import after_megatron_training_import
+
+    after_megatron_training_import()
+
+
+def install_framework_hooks() -> None:
+    """Arranges mover_plugin's part around the frameworks this module knows: Megatron
+    (``megatron.core``, then Megatron-LM's ``megatron.training``)."""
+    FirstImportHook("megatron.core", _before_megatron, _nothing).install()
+    FirstImportHook("megatron.training", _nothing, _after_megatron_training).install()
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[:1] == ["-m"] and len(argv) < 2:
+        print(USAGE, file=sys.stderr)
+        sys.exit(2)
+    install_framework_hooks()
+    if argv[0] == "-m":
+        sys.argv = [argv[1], *argv[2:]]
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        return
+    script = argv[0]
+    sys.argv = argv
+    sys.path[0] = os.path.dirname(os.path.abspath(script))
+    runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()

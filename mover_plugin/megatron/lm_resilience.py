@@ -1,0 +1,344 @@
+"""The resilience runtime inside Megatron-LM's own training loop (``megatron.training``).
+
+:class:`MegatronLMResilience` is the Megatron-Core adapter
+(:class:`~mover_plugin.megatron.resilience.MegatronResilience`) driven from Megatron-LM's hook
+points (:mod:`mover_plugin.patches.megatron_lm_hooks`) instead of a script's own calls. The
+drop-in (:mod:`mover_plugin.megatron.training_loop`) creates it when a job runs with
+``--resilient``, and forwards to it:
+
+- ``_initialize_distributed``: a standby waits here for its promotion; then
+  ``init_process_group`` with the ``mover`` backend on the generation's store, and Megatron-LM's
+  own model-parallel set-up on top of it (without its extra gloo groups, which could be
+  neither left nor replaced). A joiner's collectives stay local from here until its first
+  iteration (``local-collectives``): its start-up's WORLD collectives (start-time all-reduces,
+  barriers, the optimizer's all-gather, the data loaders' broadcast) have no partner in a
+  running job, and their results are overwritten by the state it receives.
+- ``setup_model_and_optimizer``: the commit gate goes before the optimizer update; a joiner
+  builds without loading the checkpoint.
+- ``build_train_valid_test_data_iterators``: a joiner first receives its state and its place
+  in the data (iteration, consumed samples) from a data-parallel twin, so that its data
+  iterators start where the job is.
+- ``train_step``: every iteration runs through the runtime's ``run_step``. A failed iteration
+  is redone with the same micro-batches (:class:`MicroBatchReplay`), the RNG states saved at
+  its start, the rerun state machine's iteration counter rewound and the timers it started
+  stopped.
+
+Not yet on this path: the distributed optimizer (refused before the job starts), the standby's
+warm-up in the sandbox (a standby imports and waits; a promoted one builds its model with
+Megatron-LM's own model provider), virtual pipeline stages and DataLoader worker processes'
+effect on detection (``--num-workers 0`` keeps it fast).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import copy
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+
+from mover_plugin.comm.world import cover_world
+from mover_plugin.errors import LaunchError
+from mover_plugin.megatron.checkpoint import capture_rng_state, restore_rng_state
+from mover_plugin.megatron.resilience import MegatronResilience
+from mover_plugin.megatron.standby import parallel_layout
+from mover_plugin.runtime.adapter import Transfer
+from mover_plugin.runtime.handover import module_state_tensors
+
+logger = logging.getLogger(__name__)
+
+COUNTERS = ("consumed_train_samples", "skipped_train_samples", "consumed_valid_samples")
+"""Megatron-LM's data counters in ``args``, handed to a joiner with the iteration."""
+
+
+class ReplayableIterator:
+    """Wraps the iterator inside a ``RerunDataIterator``: records the micro-batches of the
+    current attempt, and after :meth:`rewind` serves them again before reading on."""
+
+    def __init__(self, source: Iterator[Any]) -> None:
+        self.source = source
+        self._taken: list[Any] = []
+        self._pending: collections.deque[Any] = collections.deque()
+
+    def __iter__(self) -> "ReplayableIterator":
+        return self
+
+    def __next__(self) -> Any:
+        item = self._pending.popleft() if self._pending else next(self.source)
+        # A shallow copy, as Megatron's RerunDataIterator keeps: the consumer may edit a dict.
+        self._taken.append(copy.copy(item))
+        return item
+
+    def begin(self) -> None:
+        """A new iteration starts: what the last one read is not needed again."""
+        self._taken = []
+
+    def rewind(self) -> None:
+        """The attempt failed: its micro-batches are served again, in order."""
+        self._pending.extendleft(reversed(self._taken))
+        self._taken = []
+
+
+class MicroBatchReplay:
+    """Makes the data iterators of ``train_step`` replayable (one :class:`ReplayableIterator`
+    inside each Megatron ``RerunDataIterator``; a list of them with virtual pipeline stages;
+    None where a rank reads no data)."""
+
+    def __init__(self) -> None:
+        self._iterators: list[ReplayableIterator] = []
+
+    def begin(self, data_iterator: Any) -> None:
+        self._iterators = [self._replayable(d) for d in _as_list(data_iterator)]
+        for iterator in self._iterators:
+            iterator.begin()
+
+    def rewind(self) -> None:
+        for iterator in self._iterators:
+            iterator.rewind()
+
+    @staticmethod
+    def _replayable(data_iterator: Any) -> ReplayableIterator:
+        inner = getattr(data_iterator, "iterable", None)
+        if inner is None:
+            raise LaunchError(f"--resilient: the data iterator {type(data_iterator).__name__} "
+                              "is not Megatron's RerunDataIterator; its micro-batches cannot "
+                              "be replayed when an iteration is redone")
+        if not isinstance(inner, ReplayableIterator):
+            inner = data_iterator.iterable = ReplayableIterator(inner)
+        return inner
+
+
+def _as_list(data_iterator: Any) -> list[Any]:
+    if data_iterator is None:
+        return []
+    if isinstance(data_iterator, list):
+        return [d for d in data_iterator if d is not None]
+    return [data_iterator]
+
+
+@dataclass
+class StepStart:
+    """What a rank knew at the start of its current iteration."""
+
+    iteration: int
+    counters: dict[str, int]
+    rerun_iteration: int
+    """The rerun state machine's iteration counter (it counts every attempt)."""
+    started_timers: frozenset[str]
+
+
+class MegatronLMResilience(MegatronResilience):
+    """The Megatron-Core adapter, entered from Megatron-LM's hook points (module docstring)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        super().__init__(args)
+        self._initialize: Callable[[], Any] = lambda: None
+        self._local: Any = None
+        """A joiner's ``local-collectives`` patches, applied until its first iteration."""
+        self._joined_rng: Optional[dict[str, Any]] = None
+        """A joiner's RNG states received from its twin, put back at its first iteration."""
+        self._replay = MicroBatchReplay()
+        self._step: Optional[StepStart] = None
+        self._training = False
+        # Megatron-LM logs (with collectives) between two train_steps: the leaver of a
+        # migration logs the iteration it completed, the joiner starts at the next one.
+        self.runtime.switch_before_next_step = True
+
+    @property
+    def is_joiner(self) -> bool:
+        return self.runtime.joiner_of is not None
+
+    # -- Megatron-LM's hook points -------------------------------------------------------
+
+    def start_distributed(self, initialize: Callable[[], Any]) -> None:
+        """``_initialize_distributed`` under the runtime: a standby waits for its rank; then
+        the generation's default group and Megatron-LM's own groups (``initialize()``)."""
+        runtime, args = self.runtime, self.args
+        if runtime.is_standby:
+            runtime.wait_for_promotion()
+        args.rank = runtime.rank
+        self._initialize = initialize
+        self._parallel_kwargs = {
+            "tensor_model_parallel_size": args.tensor_model_parallel_size,
+            "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
+            "create_gloo_process_groups": False,
+        }
+        runtime.init_distributed(parallel_layout(runtime.world_size, self._parallel_kwargs))
+        if self.is_joiner:
+            self._local = _local_collectives()
+
+    def setup(self, setup: Callable[[], Any]) -> Any:
+        """``setup_model_and_optimizer`` (a joiner's without the checkpoint), then the commit
+        gate; a rank that started with the job begins at the loaded iteration."""
+        if self.is_joiner:
+            with _without_checkpoint(self.args):
+                model, optimizer, scheduler = setup()
+        else:
+            model, optimizer, scheduler = setup()
+        self.attach(model, optimizer, scheduler)
+        if not self.is_joiner:
+            self.runtime.begin(self.args.iteration)
+        return model, optimizer, scheduler
+
+    def before_data_iterators(self) -> None:
+        """A joiner receives its state and place in the data before its iterators are
+        built."""
+        if not self.is_joiner or self._training:
+            return
+        self._local.revert()
+        try:
+            self.first_iteration(lambda: 0)
+        finally:
+            self._local = _local_collectives()
+
+    def train_step(self, train_step: Callable[[], Any], iteration: int,
+                   data_iterator: Any) -> Any:
+        """One iteration of Megatron-LM's ``train_step`` through the runtime."""
+        if not self._training:
+            self._start_training(iteration)
+        self._replay.begin(data_iterator)
+        self._step = self._step_start(iteration)
+        progress = self.progress
+        started = time.perf_counter()
+        progress.step_begin(iteration + 1)
+        result, completed = self.runtime.run_step(iteration, lambda _: train_step())
+        progress.step_end(completed, time.perf_counter() - started)
+        if result is None:
+            self._stop_timers_started_since(self._step)
+        if completed != iteration + 1:
+            raise LaunchError(f"rank {self.runtime.rank}: iteration {iteration} ended with "
+                              f"{completed} iterations completed; Megatron-LM's loop counts "
+                              "one per train_step")
+        return result if result is not None else _completed_in_switch()
+
+    def between_steps(self, work: Callable[[], Any], if_interrupted: Any) -> Any:
+        """``work()``, Megatron-LM's own collectives after an iteration (``training_log``); if
+        a peer is lost meanwhile, the ranks switch generation from the completed iteration
+        and ``if_interrupted`` stands in for the result."""
+        try:
+            return work()
+        except Exception as error:  # noqa: BLE001 - the runtime re-raises all but lost peers
+            completed = self.runtime.recover_between_steps(error)
+            self._stop_timers_started_since(self._step)
+            logger.warning("rank %d: a peer was lost after iteration %d; its log line is "
+                           "dropped", self.runtime.rank, completed)
+            return if_interrupted
+
+    def _start_training(self, iteration: int) -> None:
+        self._training = True
+        if self._local is not None:
+            self._local.revert()
+            self._local = None
+        if self._joined_rng is not None:
+            # Anything drawn between receiving the state and the first iteration is undone.
+            restore_rng_state(self._joined_rng)
+            self._joined_rng = None
+        self.progress.ready(iteration)
+
+    def _step_start(self, iteration: int) -> StepStart:
+        from megatron.core.rerun_state_machine import get_rerun_state_machine
+        from megatron.training.global_vars import get_timers
+
+        return StepStart(iteration, {name: getattr(self.args, name) for name in COUNTERS},
+                         get_rerun_state_machine().current_iteration,
+                         frozenset(_started_timers(get_timers())))
+
+    # -- the adapter protocol, where Megatron-LM's loop differs -------------------------
+
+    def init_groups(self) -> None:
+        from megatron.core import parallel_state
+
+        self._initialize()  # sees the default group and only adds the model-parallel groups
+        cover_world([parallel_state.get_model_parallel_group(),
+                     parallel_state.get_data_parallel_group(with_context_parallel=True)])
+
+    def capture_snapshot(self) -> dict[str, Any]:
+        return capture_rng_state()
+
+    def restore_snapshot(self, snapshot: dict[str, Any]) -> None:
+        restore_rng_state(snapshot)
+        if not self._training:  # a joiner receiving its state
+            self._joined_rng = snapshot
+            return
+        self._undo_attempt()
+
+    def _undo_attempt(self) -> None:
+        """What a dropped attempt changed outside the model and optimizer."""
+        from megatron.core.rerun_state_machine import RerunState, get_rerun_state_machine
+
+        step = self._step
+        assert step is not None
+        self._replay.rewind()
+        machine = get_rerun_state_machine()
+        machine.state = RerunState.NOT_RUNNING_YET
+        machine.current_iteration = step.rerun_iteration
+        self._stop_timers_started_since(step)
+
+    @staticmethod
+    def _stop_timers_started_since(step: StepStart) -> None:
+        """Timers a dropped attempt started are stopped, their partial measure dropped."""
+        from megatron.training.global_vars import get_timers
+
+        timers = get_timers()
+        for name in _started_timers(timers) - step.started_timers:
+            timers._timers[name]._started = False
+
+    def state_tensors(self, transfer: Transfer) -> list[torch.Tensor]:
+        return [tensor for chunk in self._model for tensor in module_state_tensors(chunk.module)]
+
+    def state_blob(self) -> dict[str, Any]:
+        step = self._step
+        assert step is not None, "state is sent from inside an iteration"
+        return {**super().state_blob(), "step_start": step.iteration, "counters": step.counters}
+
+    def load_state(self, state: dict[str, Any], transfer: Transfer) -> None:
+        super().load_state(state, transfer)
+        # The twin's counters are those of the start of its iteration; the joiner starts at
+        # state["iteration"], one further if that iteration was completed in the switch.
+        done = state["iteration"] - state["step_start"]
+        args = self.args
+        args.iteration = state["iteration"]
+        for name, value in state["counters"].items():
+            setattr(args, name, value)
+        args.consumed_train_samples += done * args.global_batch_size
+
+
+def _completed_in_switch() -> tuple[Any, ...]:
+    """``train_step``'s result for an iteration the switch completed (its losses were not
+    kept): nothing to log, not skipped, no checkpoint or exit requested."""
+    return {}, 0, False, False, 0, None, None, 0
+
+
+def _started_timers(timers: Any) -> set[str]:
+    return {name for name, timer in getattr(timers, "_timers", {}).items()
+            if getattr(timer, "_started", False)}
+
+
+def _local_collectives() -> Any:
+    from mover_plugin.patches import apply_patches
+
+    return apply_patches("local-collectives")
+
+
+class _without_checkpoint:
+    """A joiner builds its model without loading Megatron-LM's checkpoint: its state comes
+    from its twin."""
+
+    NAMES = ("load", "pretrained_checkpoint")
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.saved: dict[str, Any] = {}
+
+    def __enter__(self) -> None:
+        for name in self.NAMES:
+            self.saved[name] = getattr(self.args, name, None)
+            setattr(self.args, name, None)
+
+    def __exit__(self, *exc: Any) -> None:
+        for name, value in self.saved.items():
+            setattr(self.args, name, value)

@@ -1,0 +1,212 @@
+"""Megatron-LM's own training loop (``megatron.training``) under mover_plugin: the drop-in.
+
+A user keeps Megatron-LM's entry script (``pretrain_gpt.py``) and its flags, and swaps
+``torchrun`` for ``mover-launch``. Every worker runs the script through
+``python -m mover_plugin.launch.run``, which calls :func:`before_megatron_import` before the
+first import of ``megatron.core`` and :func:`after_megatron_training_import` after the first
+import of ``megatron.training``:
+
+- without triton installed, stand-ins for the two modules of megatron-core that import it;
+- on a machine without CUDA, the ``megatron-cpu`` and ``megatron-lm-cpu`` patch groups
+  (:mod:`mover_plugin.patches.megatron_lm_cpu`) stand in for what Megatron-LM assumes of CUDA,
+  with no flag from the user;
+- :class:`DropInHooks` is installed at Megatron-LM's hook points
+  (:mod:`mover_plugin.patches.megatron_lm_hooks`): it adds mover_plugin's flags to
+  Megatron-LM's parser (``--resilient`` and its ``--resilient-*`` settings, as the example
+  script has them, and ``--resilient-params-digest``), checks them after Megatron-LM's own
+  ``validate_args``, answers ``mover-launch``'s flag check (``MOVER_PREFLIGHT=1``) right after
+  the arguments are validated, before any process group exists, and at the end of ``train()``
+  prints ``PARAMS_DIGEST`` when asked. With ``--resilient`` it hands Megatron-LM's distributed
+  set-up, model set-up, data iterators and every ``train_step`` to the resilience runtime
+  (:class:`~mover_plugin.megatron.lm_resilience.MegatronLMResilience`): a standby takes a lost
+  rank's place inside the running loop.
+
+``torchrun`` users get the same behaviour with ``torchrun ... -m mover_plugin.launch.run
+pretrain_gpt.py ...``, which is how a failure-free ``torchrun`` run is compared with a
+``mover-launch`` run.
+
+Not yet on this path with ``--resilient``: the distributed optimizer, virtual pipeline stages
+and Megatron-LM's own in-process restart are refused before the job starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import TYPE_CHECKING, Any, Callable, NoReturn, Optional
+
+from mover_plugin.errors import ConfigError
+from mover_plugin.patches.megatron_lm_hooks import MegatronLMHooks, install_hooks
+from mover_plugin.runtime.preflight import exit_checked, exit_with_error, in_preflight, runs_resilient
+from mover_plugin.runtime.settings import ResilienceSettings, add_resilience_args
+
+if TYPE_CHECKING:
+    from mover_plugin.megatron.lm_resilience import MegatronLMResilience
+
+logger = logging.getLogger(__name__)
+
+DIGEST_FLAG = "--resilient-params-digest"
+
+
+def before_megatron_import() -> None:
+    """Runs just before the first module of Megatron (``megatron.core``) is imported: without
+    triton, the stand-ins for the two modules that import it (``notriton``), unless the
+    script applied them itself."""
+    from mover_plugin.patches import apply_inactive_patches
+
+    apply_inactive_patches(["notriton"])
+
+
+def after_megatron_training_import() -> None:
+    """Runs right after ``megatron.training`` is imported, before the script's code binds any
+    of its names: the CPU stand-ins (without CUDA) and the hooks."""
+    import torch
+
+    from mover_plugin.patches import apply_inactive_patches
+
+    if not torch.cuda.is_available():
+        apply_inactive_patches(["megatron-cpu", "megatron-lm-cpu"])
+    install_hooks(DropInHooks())
+
+
+class DropInHooks(MegatronLMHooks):
+    """mover_plugin's behaviour at Megatron-LM's hook points (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.resilience: Optional["MegatronLMResilience"] = None
+        """The runtime of a ``--resilient`` process, from its distributed set-up on."""
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """mover_plugin's flags on Megatron-LM's parser."""
+        if in_preflight():
+            parser.error = _raise_config_error  # type: ignore[method-assign]
+        add_resilience_args(parser)
+        parser.add_argument_group("mover_plugin").add_argument(
+            DIGEST_FLAG, action="store_true",
+            help="At the end of training print PARAMS_DIGEST <hex>: one hash of every rank's "
+            "parameters, equal between two runs only if every parameter is bit-identical.")
+        return parser
+
+    def around_arguments(self, parse: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Megatron-LM's ``parse_and_validate_args``, then mover_plugin's checks; during the
+        launcher's flag check, reports the outcome and exits."""
+        preflight = in_preflight()
+        try:
+            parsed = parse(*args, **kwargs)
+            check_arguments(parsed)
+        except ConfigError as error:
+            exit_with_error(error)
+        except (AssertionError, ValueError, TypeError) as error:
+            if not preflight:
+                raise
+            # Megatron-LM's validate_args reports bad values with assertions.
+            exit_with_error(str(error) or f"{type(error).__name__} in Megatron-LM's "
+                            "validate_args")
+        if preflight:
+            exit_checked(runs_resilient(parsed))
+        return parsed
+
+    def around_initialize_distributed(self, initialize: Callable[..., Any], *args: Any,
+                                      **kwargs: Any) -> Any:
+        """With ``--resilient``: the runtime's default group (a standby waits for its rank
+        first), and Megatron-LM's model-parallel groups on it."""
+        from megatron.training import get_args
+
+        megatron_args = get_args()
+        if not megatron_args.resilient:
+            return initialize(*args, **kwargs)
+        from mover_plugin.megatron.lm_resilience import MegatronLMResilience
+
+        self.resilience = MegatronLMResilience(megatron_args)
+        self.resilience.start_distributed(lambda: initialize(*args, **kwargs))
+        return None
+
+    def around_setup(self, setup: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if self.resilience is None:
+            return setup(*args, **kwargs)
+        return self.resilience.setup(lambda: setup(*args, **kwargs))
+
+    def around_data_iterators(self, build: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if self.resilience is not None:
+            self.resilience.before_data_iterators()
+        return build(*args, **kwargs)
+
+    def around_train_step(self, train_step: Callable[..., Any], *args: Any,
+                          **kwargs: Any) -> Any:
+        if self.resilience is None:
+            return train_step(*args, **kwargs)
+        data_iterator = kwargs["data_iterator"] if "data_iterator" in kwargs else args[1]
+        return self.resilience.train_step(lambda: train_step(*args, **kwargs),
+                                          kwargs["iteration"], data_iterator)
+
+    def around_training_log(self, training_log: Callable[..., Any], *args: Any,
+                            **kwargs: Any) -> Any:
+        if self.resilience is None:
+            return training_log(*args, **kwargs)
+        if self.resilience.is_joiner:
+            # Megatron-LM logs a process's first iteration whatever the log interval, with a
+            # WORLD barrier and gather; a joiner's first is not the job's: log as the others.
+            kwargs["is_first_iteration"] = False
+        report_memory_flag = kwargs["report_memory_flag"] if "report_memory_flag" in kwargs \
+            else args[5]
+        return self.resilience.between_steps(lambda: training_log(*args, **kwargs),
+                                             report_memory_flag)
+
+    def around_train(self, train: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Megatron-LM's ``train()``; then ``PARAMS_DIGEST`` when asked, and the runtime of a
+        ``--resilient`` process stops following the job."""
+        result = train(*args, **kwargs)
+        from megatron.training import get_args
+
+        megatron_args = get_args()
+        if megatron_args.resilient_params_digest:
+            report_digest(megatron_args, kwargs["model"] if "model" in kwargs else args[1])
+        if self.resilience is not None:
+            self.resilience.finish()
+        return result
+
+
+def _raise_config_error(message: str) -> NoReturn:
+    raise ConfigError(message)
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """mover_plugin's checks of Megatron-LM's validated ``args``; sets ``args.resilience``."""
+    args.resilience = ResilienceSettings.from_args(args)
+    if not args.resilient:
+        return
+    if args.data_parallel_size < 2:
+        raise ConfigError(
+            f"--resilient needs a data-parallel twin for every rank, but the data-parallel "
+            f"size is {args.data_parallel_size} (world size {args.world_size} / tensor "
+            f"{args.tensor_model_parallel_size} x pipeline {args.pipeline_model_parallel_size}"
+            f" x context {args.context_parallel_size}); use at least 2 data-parallel replicas")
+    refused = {
+        "--use-distributed-optimizer": args.use_distributed_optimizer,
+        "--num-layers-per-virtual-pipeline-stage (virtual pipeline stages)":
+            args.virtual_pipeline_model_parallel_size is not None,
+        "--inprocess-restart": getattr(args, "inprocess_restart", False),
+        "--context-parallel-size > 1": args.context_parallel_size > 1,
+        "--expert-model-parallel-size > 1": args.expert_model_parallel_size > 1,
+    }
+    for flag, used in refused.items():
+        if used:
+            raise ConfigError(f"--resilient with {flag} is not supported yet on Megatron-LM's "
+                              "training loop; drop one of them")
+    # Plain gloo groups can be neither left when a peer dies nor replaced in place.
+    args.use_gloo_process_groups = False
+
+
+def report_digest(args: argparse.Namespace, model: list[Any]) -> None:
+    """``PARAMS_DIGEST`` over the model chunks of every rank (same definition as the example's:
+    :mod:`mover_plugin.digest`)."""
+    from mover_plugin.digest import report_params_digest
+    from mover_plugin.layout import ParallelLayout
+
+    if len(model) == 1:
+        named = list(model[0].module.named_parameters())
+    else:
+        named = [(f"chunk{index}.{name}", tensor) for index, chunk in enumerate(model)
+                 for name, tensor in chunk.module.named_parameters()]
+    report_params_digest(named, ParallelLayout.for_world(
+        args.world_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size))

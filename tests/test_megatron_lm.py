@@ -1,0 +1,204 @@
+"""Megatron-LM's own training loop (``megatron.training``) under mover-launch and torchrun.
+
+The entry script is ``examples/megatron_lm/pretrain_gpt.py`` (in the form of Megatron-LM's:
+``parse_and_validate_args`` and ``pretrain``, a model provider, mock data); it calls nothing of
+mover_plugin. On this machine (no CUDA) the CPU stand-ins come from the worker command
+(``python -m mover_plugin.launch.run``), not from a flag.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from gpt_jobs import LAUNCH, digest, read_events
+from mover_plugin.testing import run_command
+
+SCRIPT = str(Path(__file__).parents[1] / "examples" / "megatron_lm" / "pretrain_gpt.py")
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+CPU_FLAGS = ["--transformer-impl", "local", "--distributed-backend", "gloo",
+             "--no-bias-gelu-fusion", "--no-bias-dropout-fusion",
+             "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
+             "--no-persist-layer-norm", "--num-workers", "0"]
+"""What a CPU run adds to Megatron-LM's flags (no fused CUDA kernels, no DataLoader workers)."""
+FLAGS = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+         "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "2",
+         "--global-batch-size", "8", "--train-iters", "6", "--lr", "1e-3", "--min-lr", "1e-4",
+         "--lr-decay-style", "cosine", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
+         "--mock-data", "--split", "100,0,0", "--eval-iters", "0", "--eval-interval", "1000",
+         "--log-interval", "1", "--seed", "1234", *CPU_FLAGS, "--resilient-params-digest"]
+PP2 = ["--pipeline-model-parallel-size", "2"]
+LLAMA_TP2 = ["--tensor-model-parallel-size", "2", "--ffn-hidden-size", "128",
+             "--group-query-attention", "--num-query-groups", "2", "--normalization", "RMSNorm",
+             "--swiglu", "--position-embedding-type", "rope", "--no-rope-fusion",
+             "--untie-embeddings-and-output-weights", "--disable-bias-linear",
+             "--use-distributed-optimizer"]
+"""A Llama-style model (RMSNorm, SwiGLU, RoPE, grouped-query attention, no biases, untied
+embeddings) at TP2 x PP1 x DP2 with the distributed optimizer."""
+ENV = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+"""Set by Megatron-LM's own launch scripts; its checks ask for it with tensor parallelism."""
+
+
+def mover_launch(*flags: str, launcher_flags=(), cwd: Path, timeout_s: float = 300):
+    return run_command([*LAUNCH, "--standalone", "--nproc-per-node", "4", *launcher_flags,
+                        SCRIPT, *FLAGS, *flags], timeout_s=timeout_s, cwd=str(cwd), env=ENV)
+
+
+def torchrun(*flags: str, cwd: Path, timeout_s: float = 300):
+    return run_command([*TORCHRUN, "--standalone", "--nproc-per-node", "4", "-m",
+                        "mover_plugin.launch.run", SCRIPT, *FLAGS, *flags],
+                       timeout_s=timeout_s, cwd=str(cwd), env=ENV)
+
+
+def iterations_logged(output: str) -> int:
+    return sum(1 for line in output.splitlines() if "| lm loss:" in line)
+
+
+@pytest.fixture(scope="module")
+def failure_free_pp2(tmp_path_factory):
+    """TP1 x PP2 x DP2 under mover-launch, no interruption: the digest every resilient run of
+    this module must end with."""
+    result = mover_launch(*PP2, cwd=tmp_path_factory.mktemp("failure-free"))
+    assert result.returncode == 0, result.output[-4000:]
+    return result
+
+
+@pytest.mark.parametrize("layout", [PP2, LLAMA_TP2], ids=["tp1-pp2", "llama-tp2-distopt"])
+def test_mover_launch_trains_megatron_lm_exactly_as_torchrun_does(layout, tmp_path,
+                                                                  failure_free_pp2):
+    launched = failure_free_pp2 if layout is PP2 else mover_launch(*layout, cwd=tmp_path)
+    assert launched.returncode == 0, launched.output[-4000:]
+    reference = torchrun(*layout, cwd=tmp_path)
+    assert reference.returncode == 0, reference.output[-4000:]
+    assert iterations_logged(launched.stdout) == iterations_logged(reference.stdout) == 6
+    assert "DP_REPLICAS identical" in launched.stdout
+    assert digest(launched) == digest(reference)
+
+
+@pytest.mark.parametrize("flags, launcher_flags, message", [
+    (["--no-such-flag"], [], "unrecognized arguments: --no-such-flag"),
+    (["--num-layers", "5"], [], "divisible by the pipeline-model-parallel size"),
+    (["--resilient-failure-timeout-s", "100"], [],
+     "--resilient-failure-timeout-s 100.0 must be below --resilient-collective-timeout-s"),
+    ([], ["--policy", "resilient", "--standbys", "1"],
+     "--policy resilient: pretrain_gpt.py does not run resilient; add --resilient"),
+    (["--resilient", "--tensor-model-parallel-size", "2"], ["--policy", "resilient"],
+     "--resilient needs a data-parallel twin for every rank, but the data-parallel size is 1"),
+    (["--resilient", "--use-distributed-optimizer"], ["--policy", "resilient"],
+     "--resilient with --use-distributed-optimizer is not supported yet"),
+], ids=["unknown-flag", "megatron-check", "resilience-setting", "policy-without-flag",
+        "resilient-without-twin", "resilient-distributed-optimizer"])
+def test_bad_megatron_lm_input_stops_the_job_before_any_worker(flags, launcher_flags, message,
+                                                               tmp_path):
+    result = mover_launch(*PP2, *flags, launcher_flags=launcher_flags, cwd=tmp_path,
+                          timeout_s=120)
+    assert result.returncode == 2, result.output[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("mover-launch: error")]
+    assert len(errors) == 1 and message in errors[0], result.stderr[-3000:]
+    # Nothing trained: no worker started.
+    assert "iteration" not in result.stdout
+
+
+# --- --resilient: a standby takes a lost rank's place inside Megatron-LM's loop ---------------
+
+RESILIENT = ["--resilient", "--log-interval", "2"]
+"""A log interval above 1: Megatron-LM's logging collectives then run only every other
+iteration, and a joiner must run them in step with the others."""
+
+
+def resilient_run(tmp_path: Path, *, standbys: int = 1, injections=(), flags=()):
+    summary, events = tmp_path / "summary.json", tmp_path / "events.jsonl"
+    launcher = ["--policy", "resilient", "--standbys", str(standbys), "--summary", str(summary),
+                "--event-log", str(events), "--stop-grace-s", "2", *injections]
+    result = mover_launch(*PP2, *RESILIENT, *flags, launcher_flags=launcher, cwd=tmp_path)
+    assert result.returncode == 0, result.output[-5000:]
+    return result, json.loads(summary.read_text()), read_events(events)
+
+
+def switched_roles(events, generation: int) -> dict[int, str]:
+    return {e["rank"]: e["role"] for e in events
+            if e["event"] == "switched" and e["generation"] == generation}
+
+
+@pytest.mark.parametrize("rank, step", [(0, 3), (3, 4)], ids=["first-stage", "last-stage"])
+def test_a_sigkilled_rank_of_megatron_lm_is_replaced_in_place_exactly(rank, step, tmp_path,
+                                                                     failure_free_pp2):
+    result, summary, events = resilient_run(tmp_path,
+                                            injections=["--inject-failure", f"{rank}:{step}"])
+    assert digest(result) == digest(failure_free_pp2)
+    assert summary["steps_completed"] == 6 and summary["restarts"] == 0
+    (interruption,) = summary["interruptions"]
+    assert (interruption["kind"], interruption["recovery"], interruption["rank"]) == (
+        "failure", "standby", rank)
+    assert interruption["how"] == "signal SIGKILL" and interruption["downtime_s"] > 0
+    # Every survivor left the failed iteration and kept its process; only the standby is new.
+    assert sorted(int(r) for r in interruption["left_s"]) == sorted({0, 1, 2, 3} - {rank})
+    assert switched_roles(events, interruption["generation"]) == {
+        r: "joiner" if r == rank else "survivor" for r in range(4)}
+    assert not [e for e in events if e["event"] in ("restart", "fallback")]
+    # The interrupted iteration was redone: each iteration is counted once in the log.
+    assert "iteration        6/       6" in result.stdout
+
+
+def test_megatron_lm_survives_a_migration_and_a_hang_exactly(tmp_path, failure_free_pp2):
+    """One run: rank 1 moved to a standby (mover migrate's request, injected at step 2), then
+    rank 2 stopped with SIGSTOP at step 4 (found by its missing heartbeats, killed, replaced)."""
+    result, summary, events = resilient_run(
+        tmp_path, standbys=2, flags=["--resilient-failure-timeout-s", "3"],
+        injections=["--inject-migration", "1:2", "--inject-failure", "2:4:SIGSTOP"])
+    assert digest(result) == digest(failure_free_pp2)
+    assert summary["steps_completed"] == 6 and summary["restarts"] == 0
+    migration, hang = summary["interruptions"]
+    assert (migration["kind"], migration["rank"], migration["recovery"]) == (
+        "migration", 1, "standby")
+    assert (hang["kind"], hang["rank"], hang["recovery"]) == ("hang", 2, "standby")
+    assert switched_roles(events, migration["generation"]) == {
+        r: "joiner" if r == 1 else "stayer" for r in range(4)}
+    assert [e["how"] for e in events if e["event"] == "leaver_exit"] == ["exit code 0"]
+    assert [e["rank"] for e in events if e["event"] == "hung"] == [2]
+    assert not [e for e in events if e["event"] in ("restart", "fallback")]
+
+
+def test_a_script_that_imports_no_framework_runs_through_the_worker_command_unchanged(tmp_path):
+    script = tmp_path / "plain.py"
+    script.write_text(textwrap.dedent("""
+        import sys, os
+        print("ARGV", sys.argv)
+        print("PATH0", sys.path[0] == os.path.dirname(os.path.abspath(__file__)))
+        print("MAIN", __name__)
+        print("MEGATRON", "megatron.training" in sys.modules)
+    """))
+    result = run_command([sys.executable, "-m", "mover_plugin.launch.run", str(script), "--x",
+                          "1"], timeout_s=60, cwd=str(tmp_path))
+    assert result.returncode == 0, result.output
+    assert f"ARGV ['{script}', '--x', '1']" in result.stdout
+    assert "PATH0 True" in result.stdout and "MAIN __main__" in result.stdout
+    assert "MEGATRON False" in result.stdout
+
+
+def test_first_import_hook_runs_around_the_module_code_once(tmp_path, monkeypatch):
+    import builtins
+
+    from mover_plugin.launch.run import FirstImportHook
+
+    package = tmp_path / "hooked_package"
+    package.mkdir()
+    (package / "__init__.py").write_text("import builtins\nbuiltins.hook_calls.append('module')\n")
+    calls: list[str] = []
+    monkeypatch.setattr(builtins, "hook_calls", calls, raising=False)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    hook = FirstImportHook("hooked_package", lambda: calls.append("before"),
+                           lambda: calls.append("after"))
+    hook.install()
+    try:
+        import hooked_package  # noqa: F401
+
+        import hooked_package as again  # noqa: F401
+    finally:
+        sys.modules.pop("hooked_package", None)
+    assert calls == ["before", "module", "after"]
+    assert hook not in sys.meta_path
