@@ -48,6 +48,7 @@ from mover_plugin.megatron.resilience import MegatronResilience
 from mover_plugin.megatron.standby import parallel_layout
 from mover_plugin.runtime.adapter import Transfer
 from mover_plugin.runtime.handover import module_state_tensors
+from mover_plugin.runtime.settings import ResilienceSettings
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +136,9 @@ class MegatronLMResilience(MegatronResilience):
     """The Megatron-Core adapter, entered from Megatron-LM's hook points (module docstring)."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        super().__init__(args)
+        # From the flags, not kept in args: Megatron-LM pickles args into its checkpoints,
+        # which must load where mover_plugin is not installed.
+        super().__init__(args, ResilienceSettings.from_args(args))
         self._initialize: Callable[[], Any] = lambda: None
         self._local: Any = None
         """A joiner's ``local-collectives`` patches, applied until its first iteration."""

@@ -66,6 +66,7 @@ from mover_plugin.progress import ProgressReporter
 from mover_plugin.runtime.adapter import Continuation, Transfer
 from mover_plugin.runtime.handover import module_state_tensors
 from mover_plugin.runtime.resilience import ResilienceRuntime
+from mover_plugin.runtime.settings import ResilienceSettings
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +81,9 @@ class MegatronResilience:
     FrameworkAdapter`).
     """
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace,
+                 settings: Optional[ResilienceSettings] = None) -> None:
+        """``settings``: the checked resilience settings (by default ``args.resilience``)."""
         self.args = args
         self._parallel_kwargs: dict[str, Any] = {}
         self._model: Any = None
@@ -92,7 +95,7 @@ class MegatronResilience:
         """A standby's model of the role it kept from its warm-up in the sandbox."""
         self._adopted = False
         """Whether this joiner trains with the model it warmed up (rather than a new one)."""
-        self.runtime = ResilienceRuntime.connect(args.resilience, self)
+        self.runtime = ResilienceRuntime.connect(settings or args.resilience, self)
 
     # -- what the training script calls ---------------------------------------------------
 

@@ -33,11 +33,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import time
 from typing import TYPE_CHECKING, Any, Callable, NoReturn, Optional
 
 from mover_plugin.errors import ConfigError
+from mover_plugin.progress import ProgressReporter
 from mover_plugin.patches.megatron_lm_hooks import MegatronLMHooks, install_hooks
-from mover_plugin.runtime.preflight import exit_checked, exit_with_error, in_preflight, runs_resilient
+from mover_plugin.runtime.preflight import exit_checked, exit_with_error, in_preflight
 from mover_plugin.runtime.settings import ResilienceSettings, add_resilience_args
 
 if TYPE_CHECKING:
@@ -75,6 +77,9 @@ class DropInHooks(MegatronLMHooks):
     def __init__(self) -> None:
         self.resilience: Optional["MegatronLMResilience"] = None
         """The runtime of a ``--resilient`` process, from its distributed set-up on."""
+        self._progress: Optional[ProgressReporter] = None
+        """Step reports to ``mover-launch``'s agent without ``--resilient`` (the runtime makes
+        its own): for ``--inject-failure``, the restart policy's summary and hang detection."""
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         """mover_plugin's flags on Megatron-LM's parser."""
@@ -103,7 +108,7 @@ class DropInHooks(MegatronLMHooks):
             exit_with_error(str(error) or f"{type(error).__name__} in Megatron-LM's "
                             "validate_args")
         if preflight:
-            exit_checked(runs_resilient(parsed))
+            exit_checked(bool(parsed.resilient))
         return parsed
 
     def around_initialize_distributed(self, initialize: Callable[..., Any], *args: Any,
@@ -134,10 +139,20 @@ class DropInHooks(MegatronLMHooks):
     def around_train_step(self, train_step: Callable[..., Any], *args: Any,
                           **kwargs: Any) -> Any:
         if self.resilience is None:
-            return train_step(*args, **kwargs)
+            return self._reported_step(lambda: train_step(*args, **kwargs), kwargs["iteration"])
         data_iterator = kwargs["data_iterator"] if "data_iterator" in kwargs else args[1]
         return self.resilience.train_step(lambda: train_step(*args, **kwargs),
                                           kwargs["iteration"], data_iterator)
+
+    def _reported_step(self, train_step: Callable[[], Any], iteration: int) -> Any:
+        if self._progress is None:
+            self._progress = ProgressReporter.from_env()
+            self._progress.ready(iteration)
+        started = time.perf_counter()
+        self._progress.step_begin(iteration + 1)
+        result = train_step()
+        self._progress.step_end(iteration + 1, time.perf_counter() - started)
+        return result
 
     def around_training_log(self, training_log: Callable[..., Any], *args: Any,
                             **kwargs: Any) -> Any:
@@ -171,8 +186,10 @@ def _raise_config_error(message: str) -> NoReturn:
 
 
 def check_arguments(args: argparse.Namespace) -> None:
-    """mover_plugin's checks of Megatron-LM's validated ``args``; sets ``args.resilience``."""
-    args.resilience = ResilienceSettings.from_args(args)
+    """mover_plugin's checks of Megatron-LM's validated ``args``. Nothing but plain values is
+    added to ``args``: Megatron-LM saves them in its checkpoints, which load with
+    ``weights_only`` (and where mover_plugin is not installed)."""
+    ResilienceSettings.from_args(args)
     if not args.resilient:
         return
     if args.data_parallel_size < 2:

@@ -1,0 +1,203 @@
+#!/usr/bin/env python
+"""Benchmark: Megatron-LM's own training loop, resilient under mover-launch vs a restart.
+
+The same job (examples/megatron_lm/pretrain_gpt.py, Megatron-LM's ``pretrain``, TP1 x PP2 x
+DP2 on 4 CPU processes, 12 iterations, a Megatron-LM checkpoint (``--ckpt-format torch``) after
+every iteration) runs these ways, ``--repeats`` times each, interleaved:
+
+* ``torchrun`` without a failure (the wall time a plain Megatron-LM run takes);
+* the restart baseline, ``mover-launch --policy restart --max-restarts 1``: rank 3 SIGKILLed when
+  it begins iteration 6 (``--inject-failure 3:6``), every rank stopped and started again, all
+  resuming from the checkpoint of iteration 5 with Megatron-LM's ``--load``, as
+  ``torchrun --max-restarts 1`` does; and the same without a failure. With ``--torchrun-restart``
+  also ``torchrun --max-restarts 1`` itself, rank 3 SIGKILLed from outside right after that
+  checkpoint is written (on torch 2.13 with gloo its restarted workers could not connect to each
+  other here: docs/benchmarks.md);
+* ``mover-launch --policy resilient --standbys 1`` with ``--resilient``: without a failure, with
+  rank 3 SIGKILLed when it begins iteration 6, and with rank 1 moved to the standby at iteration
+  6 (``--inject-migration 1:6``, as ``mover migrate --rank 1`` asks).
+
+Printed: each way's downtime (the interrupted run's wall time minus the median failure-free
+wall time of the same launcher and policy; for mover-launch also the run summary's own measure,
+detection included), the ratios of the restart's downtime to the crash's (goal >= 20x) and to
+the migration's (goal >= 30x; with a restart launcher a planned move of a rank is the same
+stop-and-restart), and whether every run ends with the same PARAMS_DIGEST.
+
+Usage::
+
+    python bench/megatron_lm_vs_torchrun.py --repeats 2 --out runs/bench-megatron-lm
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from common import add_out_argument, benchmark_parser, interleaved_in, joined, new_out_folder
+from jobs import (EXAMPLES, JOB_TIMEOUT_S, mover_launch_command, params_digest, run_job,
+                  summary_with_digest)
+
+SCRIPT = str(EXAMPLES / "megatron_lm" / "pretrain_gpt.py")
+ITERATIONS = 12
+FLAGS = ["--pipeline-model-parallel-size", "2", "--num-layers", "4", "--hidden-size", "64",
+         "--num-attention-heads", "4", "--seq-length", "64", "--max-position-embeddings", "64",
+         "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", str(ITERATIONS),
+         "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine",
+         "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--mock-data",
+         "--split", "100,0,0", "--eval-iters", "0", "--eval-interval", "1000",
+         "--log-interval", "1", "--seed", "1234", "--transformer-impl", "local",
+         "--distributed-backend", "gloo", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion",
+         "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
+         "--no-persist-layer-norm", "--num-workers", "0", "--resilient-params-digest",
+         "--ckpt-format", "torch", "--save-interval", "1",
+         "--hidden-dropout", "0", "--attention-dropout", "0"]
+"""Without dropout, so that a restart resumed from Megatron-LM's checkpoint ends bit-exact too
+(Megatron-LM restores the checkpoint's RNG states before building its data loaders, whose
+iterators then draw from torch's generator: with dropout its resume differs slightly)."""
+RANK, ITERATION = 3, 6
+"""The interrupted rank, and the iteration it is interrupted at (1-based)."""
+MODES = ("torchrun-clean", "restart-clean", "restart-crash", "mover-clean", "mover-crash",
+         "mover-migration")
+INJECTIONS = {"clean": [], "crash": ["--inject-failure", f"{RANK}:{ITERATION}"],
+              "migration": ["--inject-migration", f"1:{ITERATION}"]}
+
+
+def checkpoint_flags(folder: Path) -> list[str]:
+    return ["--save", str(folder / "ckpt"), "--load", str(folder / "ckpt")]
+
+
+def run_torchrun(folder: Path, crash: bool) -> dict:
+    """torchrun --max-restarts 1; with ``crash``, rank ``RANK`` is SIGKILLed once the
+    checkpoint of iteration ``ITERATION - 1`` is written."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", "4", "--max-restarts", "1", "-m", "mover_plugin.launch.run",
+               SCRIPT, *FLAGS, *checkpoint_flags(folder)]
+    trigger = f"successfully saved checkpoint from iteration {ITERATION - 1:7d}"
+    started = time.monotonic()
+    process = subprocess.Popen(command, cwd=folder, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, env=_environment())
+    output, killed = [], not crash
+    assert process.stdout is not None
+    for line in process.stdout:
+        output.append(line)
+        if not killed and trigger in line:
+            os.kill(_rank_pid(process.pid, RANK), signal.SIGKILL)
+            killed = True
+    process.wait(timeout=JOB_TIMEOUT_S)
+    text = "".join(output)
+    (folder / "output.txt").write_text(text)
+    if process.returncode != 0 or not killed:
+        raise SystemExit(f"torchrun {'crash' if crash else 'clean'} run failed:\n{text[-3000:]}")
+    return {"wall_time_s": time.monotonic() - started, "digest": params_digest(text)}
+
+
+def _environment() -> dict[str, str]:
+    return {**os.environ, "CUDA_DEVICE_MAX_CONNECTIONS": "1", "OMP_NUM_THREADS": "1"}
+
+
+def _rank_pid(torchrun_pid: int, rank: int) -> int:
+    """The worker process of ``rank`` among torchrun's descendants."""
+    for pid in _descendants(torchrun_pid):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in environ:
+            return pid
+    raise SystemExit(f"no worker of rank {rank} under torchrun (pid {torchrun_pid})")
+
+
+def _descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry.name))
+    found, frontier = [], [root]
+    while frontier:
+        pid = frontier.pop()
+        found.extend(children.get(pid, []))
+        frontier.extend(children.get(pid, []))
+    return found
+
+
+def run_mover(folder: Path, policy: str, injection: list[str]) -> dict:
+    """mover-launch with ``policy`` (resilient: one standby and ``--resilient``)."""
+    if policy == "resilient":
+        options, resilient = ["--policy", "resilient", "--standbys", "1"], ["--resilient"]
+    else:
+        options, resilient = ["--policy", "restart", "--max-restarts", "1"], []
+    command = [*mover_launch_command(folder, 4, *options, "--stop-grace-s", "2", *injection),
+               SCRIPT, *FLAGS, *checkpoint_flags(folder), *resilient]
+    started = time.monotonic()
+    result = run_job(command, f"mover-launch --policy {policy} {injection} failed")
+    summary = summary_with_digest(folder, result)
+    summary["wall_time_s"] = time.monotonic() - started
+    return summary
+
+
+def run_mode(mode: str, folder: Path) -> dict:
+    launcher, interruption = mode.split("-")
+    if launcher == "torchrun":
+        return run_torchrun(folder, crash=interruption == "crash")
+    return run_mover(folder, "resilient" if launcher == "mover" else "restart",
+                     INJECTIONS[interruption])
+
+
+def report(runs: dict[str, list[dict]]) -> None:
+    digests = {run["digest"] for results in runs.values() for run in results}
+    print(f"\nPARAMS_DIGEST {'equal in every run' if len(digests) == 1 else 'DIFFERS'}: "
+          f"{sorted(digests)}")
+    if len(digests) > 1:
+        for mode, results in runs.items():
+            print(f"  {mode}: {', '.join(r['digest'][:12] for r in results)}")
+    clean = {launcher: statistics.median(r["wall_time_s"] for r in runs[f"{launcher}-clean"])
+             for launcher in ("torchrun", "restart", "mover")}
+    print(f"failure-free wall time (median): torchrun {clean['torchrun']:.2f} s, mover-launch "
+          f"--policy restart {clean['restart']:.2f} s, --policy resilient {clean['mover']:.2f} s")
+    interrupted = [mode for mode in runs if not mode.endswith("clean")]
+    by_wall = {mode: [r["wall_time_s"] - clean["torchrun" if mode.startswith("torchrun")
+                                               else mode.split("-")[0]] for r in runs[mode]]
+               for mode in interrupted}
+    medians = {mode: statistics.median(values) for mode, values in by_wall.items()}
+    for mode, values in by_wall.items():
+        print(f"{mode:16s} downtime by wall time: median {medians[mode]:7.3f} s "
+              f"({joined(values, '.2f')})")
+    by_summary = {mode: [r["interruptions"][0]["downtime_s"] for r in runs[mode]]
+                  for mode in interrupted if not mode.startswith("torchrun")}
+    for mode, values in by_summary.items():
+        recoveries = sorted({r["interruptions"][0]["recovery"] for r in runs[mode]})
+        print(f"{mode:16s} downtime by run summary: median {statistics.median(values):7.3f} s "
+              f"({joined(values)}); recovery {recoveries}; restarts "
+              f"{sorted({r['restarts'] for r in runs[mode]})}")
+    restart = statistics.median(by_summary["restart-crash"])
+    for mode, goal in (("mover-crash", 20), ("mover-migration", 30)):
+        print(f"RATIO_{mode.split('-')[1].upper()} restart / resilient downtime: "
+              f"{restart / statistics.median(by_summary[mode]):.1f}x by run summary, "
+              f"{medians['restart-crash'] / max(medians[mode], 1e-3):.1f}x by wall time "
+              f"(goal >= {goal}x)")
+
+
+def main() -> None:
+    parser = benchmark_parser(__doc__, repeats=2)
+    add_out_argument(parser, "bench-megatron-lm")
+    parser.add_argument("--torchrun-restart", action="store_true",
+                        help="Also run torchrun --max-restarts 1 with rank 3 SIGKILLed.")
+    args = parser.parse_args()
+    out = new_out_folder(args.out)
+    modes = (*MODES, "torchrun-crash") if args.torchrun_restart else MODES
+    runs = interleaved_in(out, modes, args.repeats, run_mode,
+                          lambda result: f"{result['wall_time_s']:.2f} s")
+    report(runs)
+
+
+if __name__ == "__main__":
+    main()
