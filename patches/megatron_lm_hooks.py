@@ -45,7 +45,14 @@ from typing import Any, Optional
 
 from mover_plugin.errors import PatchError
 from mover_plugin.patches.megatron_cpu import DISTRIBUTION, TESTED_VERSIONS
-from mover_plugin.patches.registry import AppliedPatches, AttributeSwap, Patch, Undo, apply_patches, register_patch
+from mover_plugin.patches.registry import (
+    AppliedPatches,
+    AttributeSwap,
+    Patch,
+    Undo,
+    apply_patches,
+    register_patch,
+)
 
 GROUP = "megatron-lm-hooks"
 
