@@ -10,7 +10,8 @@ needs it (each checked on 0.19.2 with ``pretrain_gpt.py``, TP1 x PP2 x DP2 on gl
   which asserts "Megatron requires CUDA."
 - ``devcount`` — ``_initialize_distributed`` creates the model-parallel groups and
   ``_set_random_seed`` seeds the tensor-parallel RNG tracker only when
-  ``torch.cuda.device_count() > 0``: the count reads 1.
+  ``torch.cuda.device_count() > 0``: the count reads 1 (and ``torch.cuda.is_available()``
+  stays False, which it would not with ``PYTORCH_NVML_BASED_CUDA_CHECK=1``).
 - ``setdev`` — with that count, ``torch.cuda.set_device(local_rank)`` would fail: a no-op.
 - ``helpers`` — rank 0 runs ``make`` in ``megatron/core/datasets`` (``compile_helpers``) to
   build the dataset index helpers; the wheel ships them prebuilt and has no Makefile. The
@@ -103,11 +104,28 @@ def _stay_on_cpu(device: Any) -> None:
     """Stands in for ``torch.cuda.set_device``."""
 
 
-@_patch("devcount", "torch.cuda.device_count() returns 1")
+def _no_cuda() -> bool:
+    """Stands in for ``torch.cuda.is_available()`` while ``device_count`` answers 1."""
+    return False
+
+
+@_patch("devcount", "torch.cuda.device_count() returns 1; torch.cuda.is_available() stays False")
 def apply_devcount() -> Undo:
     """Needed by ``initialize._initialize_distributed`` (model-parallel groups) and
-    ``_set_random_seed`` (the tensor-parallel RNG tracker), both behind ``device_count > 0``."""
-    return _set(torch.cuda, "device_count", _one_device)
+    ``_set_random_seed`` (the tensor-parallel RNG tracker), both behind ``device_count > 0``.
+
+    ``torch.cuda.is_available()`` is pinned to its true answer, False: with
+    ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` in the environment (DeepSpeed's import sets it, and
+    children inherit it) it asks ``device_count()``, would answer True, and Megatron-LM's data
+    loaders would then pin memory ("Found no NVIDIA driver")."""
+    undo_count = _set(torch.cuda, "device_count", _one_device)
+    undo_available = _set(torch.cuda, "is_available", _no_cuda)
+
+    def undo() -> None:
+        undo_available()
+        undo_count()
+
+    return undo
 
 
 @_patch("setdev", "torch.cuda.set_device() is a no-op")

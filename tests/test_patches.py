@@ -12,6 +12,7 @@ import importlib.metadata
 import importlib.util
 import logging
 import math
+import os
 import subprocess
 import sys
 import types
@@ -557,7 +558,7 @@ originals = (torch.cuda.device_count, torch.cuda.set_device)
 applied = apply_patches(["megatron-cpu", "megatron-lm-cpu"])
 import megatron.training.training as training, megatron.training.initialize as initialize
 import megatron.training.arguments as arguments, megatron.core.datasets.utils as utils
-assert torch.cuda.device_count() == 1
+assert torch.cuda.device_count() == 1 and not torch.cuda.is_available()
 assert training.initialize_megatron.__wrapped__ is initialize.initialize_megatron
 assert utils.compile_helpers is lm.use_prebuilt_helpers
 assert arguments.get_device_arch_version() == 0
@@ -575,8 +576,11 @@ print("REVERTED")
 def _run_lm_cpu_check(block_triton: bool) -> subprocess.CompletedProcess:
     code = _LM_CPU_CHECK.format(block_triton="sys.modules['triton'] = None" if block_triton
                                 else "")
+    # With the NVML-based check (DeepSpeed's import sets it; children inherit it)
+    # torch.cuda.is_available() asks device_count(), which the stand-in answers with 1.
+    environment = {**os.environ, "PYTORCH_NVML_BASED_CUDA_CHECK": "1" if block_triton else "0"}
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=180)
+                          timeout=180, env=environment)
 
 
 def test_megatron_lm_cpu_group_applies_before_megatron_training_and_reverts() -> None:
