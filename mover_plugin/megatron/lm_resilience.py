@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import copy
 import logging
 import time
@@ -43,7 +44,7 @@ import torch
 
 from mover_plugin.comm.world import cover_world
 from mover_plugin.errors import LaunchError
-from mover_plugin.megatron.checkpoint import capture_rng_state, restore_rng_state
+from mover_plugin.megatron.checkpoint import restore_rng_state
 from mover_plugin.megatron.resilience import MegatronResilience
 from mover_plugin.megatron.standby import parallel_layout
 from mover_plugin.runtime.adapter import Transfer
@@ -259,11 +260,8 @@ class MegatronLMResilience(MegatronResilience):
         cover_world([parallel_state.get_model_parallel_group(),
                      parallel_state.get_data_parallel_group(with_context_parallel=True)])
 
-    def capture_snapshot(self) -> dict[str, Any]:
-        return capture_rng_state()
-
     def restore_snapshot(self, snapshot: dict[str, Any]) -> None:
-        restore_rng_state(snapshot)
+        super().restore_snapshot(snapshot)
         if not self._training:  # a joiner receiving its state
             self._joined_rng = snapshot
             return
@@ -327,21 +325,16 @@ def _local_collectives() -> Any:
     return apply_patches("local-collectives")
 
 
-class _without_checkpoint:
+@contextlib.contextmanager
+def _without_checkpoint(args: argparse.Namespace) -> Iterator[None]:
     """A joiner builds its model without loading Megatron-LM's checkpoint: its state comes
     from its twin."""
-
-    NAMES = ("load", "pretrained_checkpoint")
-
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.args = args
-        self.saved: dict[str, Any] = {}
-
-    def __enter__(self) -> None:
-        for name in self.NAMES:
-            self.saved[name] = getattr(self.args, name, None)
-            setattr(self.args, name, None)
-
-    def __exit__(self, *exc: Any) -> None:
-        for name, value in self.saved.items():
-            setattr(self.args, name, value)
+    names = ("load", "pretrained_checkpoint")
+    saved = {name: getattr(args, name, None) for name in names}
+    for name in names:
+        setattr(args, name, None)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(args, name, value)
