@@ -49,7 +49,13 @@ from mover_plugin.contract import (
 )
 from mover_plugin.launch.config import FailureInjection, MigrationInjection, NodeSpec
 from mover_plugin.mailbox import Mailbox, connect_to_controller
-from mover_plugin.processes import describe_exit, process_cpu_s, start_process, stop_processes
+from mover_plugin.processes import (
+    describe_exit,
+    process_cpu_s,
+    signal_group,
+    start_process,
+    stop_processes,
+)
 from mover_plugin.progress import (
     HEARTBEAT,
     READY,
@@ -448,6 +454,10 @@ class Agent:
                 continue
             self._drain(worker)
             worker.exited = True
+            # What the process started and left behind (e.g. a checkpoint writer of
+            # Megatron-Core's, spawned with multiprocessing) goes with it: it would hold the
+            # job's output open and outlive the job.
+            signal_group(worker.process, signal.SIGKILL)
             returncode = worker.process.returncode
             if worker.rank is None:
                 self._post("standby_exit", standby=worker.standby, returncode=returncode,

@@ -30,7 +30,7 @@ class Attempts(Unit):
 
     def handlers(self) -> Mapping[str, EventHandler]:
         return {"standby_ready": self._on_standby_ready,
-                "standby_warmed": self._on_standby_warmed,
+                "standby_warmed": self._on_standby_warmed, "peer_copy": self._on_peer_copy,
                 "standby_exit": self._on_standby_exit, "node_busy": self._on_node_busy,
                 "node_done": self._on_node_done}
 
@@ -77,6 +77,12 @@ class Attempts(Unit):
         report = {key: value for key, value in event.items()
                   if key not in ("kind", "attempt", "time", "generation")}
         self._ctx.record("standby_warmed", "pool", when=event["time"], **report)
+        return None
+
+    def _on_peer_copy(self, event: Event) -> Optional[int]:
+        """A worker's host memory for the copy of a peer's optimizer shard, at its end."""
+        self._ctx.record("peer_copy", "job", when=event["time"], rank=event["rank"],
+                         bytes=event["bytes"])
         return None
 
     def _on_standby_exit(self, event: Event) -> Optional[int]:

@@ -22,6 +22,9 @@ agents and workers post to the controller, each kind with the fields it carries.
 * ``gen{g}/handover/{rank}/`` — the two-process group over which the process that hands
   ``rank`` over (the leaver, or a data-parallel twin after a crash) sends its state to the
   process that takes it;
+* ``gen{g}/peercopy/{src}-{dst}/`` — the two-process group over which rank ``src`` sends the
+  copy of its optimizer shard to ``dst``, the next rank of its data-parallel group, after every
+  step (:mod:`mover_plugin.runtime.peer_copy`);
 * ``standby/{id}/promote`` — the rank and generation a standby takes over (JSON);
 * ``attempt{a}/standbys_ready`` — set once every standby of attempt ``a`` is ready (a resilient
   job's workers wait for it, bounded, before their first step);
@@ -104,6 +107,10 @@ def handover_prefix(generation: int, rank: int) -> str:
     return f"gen{generation}/handover/{rank}/"
 
 
+def peer_copy_prefix(generation: int, source: int, destination: int) -> str:
+    return f"gen{generation}/peercopy/{source}-{destination}/"
+
+
 def request_reply_key(request_id: str) -> str:
     return f"request/{request_id}/reply"
 
@@ -172,6 +179,7 @@ EVENTS: Mapping[str, EventSchema] = {
     "rolled_back": EventSchema({"rank": int, "generation": int, "iteration": int,
                                 "reason": str, "load_s": NUMBER}, from_agent=False),
     "prepared": EventSchema({"rank": int, "generation": int}, from_agent=False),
+    "peer_copy": EventSchema({"rank": int, "generation": int, "bytes": int}, from_agent=False),
     "groups_prepared": EventSchema({"rank": int, "generation": int, "build_s": NUMBER,
                                     "rebuilt": int, "kept": int}, from_agent=False),
     "boundary": EventSchema({"rank": int, "generation": int, "iteration": int,

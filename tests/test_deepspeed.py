@@ -7,7 +7,7 @@ import pytest
 
 from mover_plugin.deepspeed.arguments import parse_args
 from mover_plugin.deepspeed.config import config_path_in, load_ds_config, parse_block
-from mover_plugin.deepspeed.resilience import decide_continuation
+from mover_plugin.runtime.peer_copy import decide_continuation
 from mover_plugin.errors import ConfigError
 from mover_plugin.launch.config import parse_launch_args
 
@@ -109,7 +109,8 @@ def test_a_lost_shard_held_current_by_a_peer_needs_no_rollback():
      "different numbers of iterations"),
 ])
 def test_otherwise_every_rank_rolls_back(records, reason):
-    target, why, holders = decide_continuation(records, peer_copy=records[0]["held_of"] >= 0)
+    target, why, holders = decide_continuation(records, peer_copy=records[0]["held_of"] >= 0,
+                                               off="peer_copy is off")
     assert reason in why and holders == {}
 
 

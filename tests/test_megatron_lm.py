@@ -67,10 +67,19 @@ def failure_free_pp2(tmp_path_factory):
     return result
 
 
+@pytest.fixture(scope="module")
+def failure_free_llama_tp2(tmp_path_factory):
+    """The Llama-style set at TP2 x DP2 with the distributed optimizer, no interruption."""
+    result = mover_launch(*LLAMA_TP2, cwd=tmp_path_factory.mktemp("failure-free-llama"))
+    assert result.returncode == 0, result.output[-4000:]
+    return result
+
+
 @pytest.mark.parametrize("layout", [PP2, LLAMA_TP2], ids=["tp1-pp2", "llama-tp2-distopt"])
 def test_mover_launch_trains_megatron_lm_exactly_as_torchrun_does(layout, tmp_path,
-                                                                  failure_free_pp2):
-    launched = failure_free_pp2 if layout is PP2 else mover_launch(*layout, cwd=tmp_path)
+                                                                  failure_free_pp2,
+                                                                  failure_free_llama_tp2):
+    launched = failure_free_pp2 if layout is PP2 else failure_free_llama_tp2
     assert launched.returncode == 0, launched.output[-4000:]
     reference = torchrun(*layout, cwd=tmp_path)
     assert reference.returncode == 0, reference.output[-4000:]
@@ -88,10 +97,11 @@ def test_mover_launch_trains_megatron_lm_exactly_as_torchrun_does(layout, tmp_pa
      "--policy resilient: pretrain_gpt.py does not run resilient; add --resilient"),
     (["--resilient", "--tensor-model-parallel-size", "2"], ["--policy", "resilient"],
      "--resilient needs a data-parallel twin for every rank, but the data-parallel size is 1"),
-    (["--resilient", "--use-distributed-optimizer"], ["--policy", "resilient"],
-     "--resilient with --use-distributed-optimizer is not supported yet"),
+    (["--resilient", "--use-distributed-optimizer", "--overlap-grad-reduce",
+      "--overlap-param-gather"], ["--policy", "resilient"],
+     "--resilient with --overlap-param-gather is not supported yet"),
 ], ids=["unknown-flag", "megatron-check", "resilience-setting", "policy-without-flag",
-        "resilient-without-twin", "resilient-distributed-optimizer"])
+        "resilient-without-twin", "resilient-overlap-param-gather"])
 def test_bad_megatron_lm_input_stops_the_job_before_any_worker(flags, launcher_flags, message,
                                                                tmp_path):
     result = mover_launch(*PP2, *flags, launcher_flags=launcher_flags, cwd=tmp_path,
@@ -110,11 +120,11 @@ RESILIENT = ["--resilient", "--log-interval", "2"]
 iteration, and a joiner must run them in step with the others."""
 
 
-def resilient_run(tmp_path: Path, *, standbys: int = 1, injections=(), flags=()):
+def resilient_run(tmp_path: Path, *, standbys: int = 1, injections=(), flags=(), layout=PP2):
     summary, events = tmp_path / "summary.json", tmp_path / "events.jsonl"
     launcher = ["--policy", "resilient", "--standbys", str(standbys), "--summary", str(summary),
                 "--event-log", str(events), "--stop-grace-s", "2", *injections]
-    result = mover_launch(*PP2, *RESILIENT, *flags, launcher_flags=launcher, cwd=tmp_path)
+    result = mover_launch(*layout, *RESILIENT, *flags, launcher_flags=launcher, cwd=tmp_path)
     assert result.returncode == 0, result.output[-5000:]
     return result, json.loads(summary.read_text()), read_events(events)
 
@@ -163,6 +173,26 @@ def test_megatron_lm_survives_a_migration_and_a_hang_exactly(tmp_path, failure_f
     assert not [e for e in events if e["event"] in ("restart", "fallback")]
 
 
+def test_the_distributed_optimizer_continues_in_place_from_the_peer_copy(
+        tmp_path, failure_free_llama_tp2):
+    """The Llama-style set at TP2 x DP2 with the distributed optimizer: rank 1 SIGKILLed at
+    step 3 (its shard comes from the copy its data-parallel peer keeps), then rank 2 moved to a
+    standby at step 4 (it hands over its own shard). Neither rolls back."""
+    result, summary, events = resilient_run(
+        tmp_path, standbys=2, layout=LLAMA_TP2,
+        injections=["--inject-failure", "1:3", "--inject-migration", "2:4"])
+    assert digest(result) == digest(failure_free_llama_tp2)
+    assert summary["steps_completed"] == 6 and summary["restarts"] == 0
+    crash, migration = summary["interruptions"]
+    assert (crash["kind"], crash["rank"], crash["recovery"]) == ("failure", 1, "standby")
+    assert (migration["kind"], migration["rank"], migration["recovery"]) == (
+        "migration", 2, "standby")
+    assert crash["rolled_back_to"] is None and migration["rolled_back_to"] is None
+    assert switched_roles(events, crash["generation"]) == {
+        r: "joiner" if r == 1 else "survivor" for r in range(4)}
+    assert not [e for e in events if e["event"] in ("rolled_back", "restart", "fallback")]
+
+
 NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0"]
 """Megatron-LM's own resume is exact only without dropout: it restores the RNG states of the
 checkpoint before it builds the data loaders, whose iterators draw a seed from torch's
@@ -190,6 +220,30 @@ def test_the_restart_policy_resumes_megatron_lm_from_its_own_checkpoint_exactly(
               if "successfully loaded checkpoint from" in line]
     assert len(loaded) == 1 and loaded[0].endswith("at iteration 3"), loaded
     assert digest(result) == digest(reference)
+
+
+def test_without_a_peer_copy_every_rank_rolls_back_in_place_to_the_checkpoint(tmp_path):
+    """The distributed optimizer with --resilient-no-peer-copy: the lost rank's shard exists
+    nowhere, so every rank, processes kept, loads Megatron-LM's last checkpoint (its default
+    torch_dist format, saved every 2 iterations) and trains on from iteration 4."""
+    distributed = [*PP2, *NO_DROPOUT, "--use-distributed-optimizer"]
+    (tmp_path / "reference").mkdir()
+    reference = mover_launch(*distributed, cwd=tmp_path / "reference")
+    assert reference.returncode == 0, reference.output[-4000:]
+    ckpt = str(tmp_path / "ckpt")
+    result, summary, events = resilient_run(
+        tmp_path, layout=distributed, injections=["--inject-failure", "1:6"],
+        flags=["--resilient-no-peer-copy", "--save", ckpt, "--load", ckpt,
+               "--save-interval", "2"])
+    assert digest(result) == digest(reference)
+    assert summary["steps_completed"] == 6 and summary["restarts"] == 0
+    (interruption,) = summary["interruptions"]
+    assert (interruption["rank"], interruption["recovery"]) == (1, "standby")
+    assert interruption["rolled_back_to"] == 4
+    rolled = [e for e in events if e["event"] == "rolled_back"]
+    assert sorted(e["rank"] for e in rolled) == [0, 1, 2, 3]
+    assert all(e["iteration"] == 4 and "--resilient-no-peer-copy" in e["reason"]
+               for e in rolled)
 
 
 def test_a_script_that_imports_no_framework_runs_through_the_worker_command_unchanged(tmp_path):

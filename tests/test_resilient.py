@@ -85,6 +85,32 @@ def test_a_kill_and_a_hang_with_two_standbys_are_both_survived(tmp_path, referen
     assert [e["rank"] for e in events if e["event"] == "hung"] == [2]
 
 
+DISTRIBUTED = ["--pipeline-model-parallel-size", "2", "--train-iters", "10",
+               "--use-distributed-optimizer"]
+
+
+def test_the_distributed_optimizer_continues_in_place_from_the_peer_copy(tmp_path,
+                                                                         reference_distopt):
+    """With --use-distributed-optimizer a SIGKILLed rank's optimizer shard comes from the copy
+    its data-parallel peer keeps; no rank rolls back."""
+    result, summary, events = resilient_run(tmp_path, "2:4",
+                                            script_flags=[*DISTRIBUTED, "--resilient"])
+    assert digest(result) == digest(reference_distopt)
+    (interruption,) = summary["interruptions"]
+    check_standby_recovery(interruption, events, 2)
+    assert interruption["rolled_back_to"] is None
+    assert not [e for e in events if e["event"] == "rolled_back"]
+    assert {e["rank"] for e in events if e["event"] == "peer_copy"} == {0, 1, 2, 3}
+
+
+@pytest.fixture(scope="module")
+def reference_distopt():
+    """TP1 x PP2 x DP2 with the distributed optimizer, 10 steps, no interruption."""
+    result = pretrain(*DISTRIBUTED)
+    assert result.returncode == 0, result.output[-4000:]
+    return result
+
+
 def test_no_twin_falls_back_to_the_restart_baseline(tmp_path, reference_tp2_pp2):
     ckpt = str(tmp_path / "ckpt")
     flags = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",

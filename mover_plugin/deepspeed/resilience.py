@@ -65,8 +65,8 @@ from mover_plugin.errors import LaunchError
 from mover_plugin.layout import ParallelLayout
 from mover_plugin.progress import ProgressReporter
 from mover_plugin.runtime.adapter import Continuation, Transfer
-from mover_plugin.runtime.exits import exit_now
 from mover_plugin.runtime.handover import module_state_tensors
+from mover_plugin.runtime.peer_copy import decide_continuation
 from mover_plugin.runtime.resilience import ResilienceRuntime
 
 logger = logging.getLogger(__name__)
@@ -78,28 +78,6 @@ standby spends before it reports ready instead of after its promotion."""
 
 Load = Callable[[], Optional[int]]
 """Loads the latest checkpoint into the engine; returns its iteration, or None if none."""
-
-
-def decide_continuation(records: list[Optional[dict[str, Any]]],
-                        peer_copy: bool) -> tuple[int, Optional[str], dict[int, int]]:
-    """From every rank's record after a crash (None for the lost ranks, whose joiners have
-    none): the iteration to continue from, why every rank must roll back to the checkpoint
-    (None if not), and for each lost rank the live rank holding its current shard."""
-    known = [r for r in records if r is not None]
-    lost = [rank for rank, record in enumerate(records) if record is None]
-    target = max(r["applied"] for r in known)
-    holders = {r["held_of"]: rank for rank, r in enumerate(records)
-               if r is not None and r["held_version"] == target}
-    if any(r["updating"] for r in known):
-        return target, "a rank was lost while the optimizer update was being applied", {}
-    if any(r["applied"] != target for r in known):
-        return target, "the ranks had completed different numbers of iterations", {}
-    missing = [rank for rank in lost if rank not in holders]
-    if missing:
-        why = ("no live rank holds a current copy of the optimizer shard of rank(s) "
-               f"{missing}" + ("" if peer_copy else " (peer_copy is off)"))
-        return target, why, {}
-    return target, None, {rank: holders[rank] for rank in lost}
 
 
 class DeepSpeedResilience:
@@ -271,7 +249,7 @@ class DeepSpeedResilience:
     def _agree(self, contribute: bool) -> tuple[int, Optional[str], dict[int, int]]:
         records: list[Any] = [None] * self.runtime.world_size
         dist.all_gather_object(records, self._record() if contribute else None)
-        return decide_continuation(records, self.peer_copy)
+        return decide_continuation(records, self.peer_copy, off="peer_copy is off")
 
     def continue_after_crash(self, plan: dict[str, Any],
                              snapshot: dict[str, Any]) -> Continuation:
@@ -290,21 +268,8 @@ class DeepSpeedResilience:
         return self._roll_back(rollback) if rollback is not None else Continuation(target)
 
     def _roll_back(self, why: str) -> Continuation:
-        runtime, started = self.runtime, time.time()
-        iteration = self._load()
-        if iteration is None:
-            # The launcher sees the exit at once and falls back to restarting the job.
-            logger.error("rank %d: cannot continue in place (%s) and there is no checkpoint "
-                         "to roll back to; exiting", runtime.rank, why)
-            runtime.finish()
-            exit_now(status=1)
-        runtime.ledger.applied = iteration
         self._held_version = -1
-        runtime.control.post("rolled_back", rank=runtime.rank, iteration=iteration, reason=why,
-                             load_s=time.time() - started, time=time.time())
-        logger.warning("rank %d rolled back to the checkpoint of iteration %d: %s",
-                       runtime.rank, iteration, why)
-        return Continuation(iteration, rolled_back=True)
+        return self.runtime.roll_back(why, self._load)
 
     # -- groups, snapshot and state (FrameworkAdapter) ------------------------------------
 

@@ -239,11 +239,6 @@ def _check_resilience(args: argparse.Namespace) -> None:
     if not hasattr(args, "resilient"):
         return
     args.resilience = ResilienceSettings.from_args(args)
-    if args.resilient and args.use_distributed_optimizer:
-        raise ConfigError(
-            "--resilient with --use-distributed-optimizer is not supported yet (the optimizer "
-            "state is sharded; a replacement could not copy it from a twin); drop one of them"
-        )
     if args.resilient:
         # Plain gloo groups cannot be left when a peer dies, nor replaced in place.
         args.enable_gloo_process_groups = False

@@ -7,9 +7,15 @@ learning-rate scheduler states, the iteration, and the RNG states of every data-
 of the shard (Python, NumPy, torch and Megatron's model-parallel RNG tracker), so a resumed run
 draws the same dropout masks and reads the same samples as an uninterrupted one.
 
+With Megatron-Core's distributed optimizer (``--use-distributed-optimizer``) the shard file
+holds the optimizer's common state (parameter groups, step), and every data-parallel rank also
+writes its own optimizer shard (:mod:`mover_plugin.megatron.distributed_optimizer`) to
+``distrib_optim_dpDDD.pt`` beside it; such a checkpoint loads with the same data-parallel size.
+
 Every file is written under a temporary name and renamed; the tracker file is replaced only
 after every rank finished writing, so a run killed in the middle of a save resumes from the
-previous complete checkpoint.
+previous complete checkpoint. Loading works into a fresh model and optimizer and into ones
+that trained on (a rollback in place).
 """
 
 from __future__ import annotations
@@ -29,6 +35,10 @@ logger = logging.getLogger(__name__)
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 SHARD_FILE = "model_optim_rng.pt"
+
+
+def optimizer_shard_file(dp_rank: int) -> str:
+    return f"distrib_optim_dp{dp_rank:03d}.pt"
 
 
 @dataclass(frozen=True)
@@ -87,9 +97,17 @@ def save_checkpoint(
     data_parallel_group: dist.ProcessGroup,
 ) -> None:
     """Collective over the default group: every rank calls it at the same iteration."""
+    from mover_plugin.megatron.distributed_optimizer import shard_tensors
+
     root = Path(root)
     rng_states: list[Any] = [None] * dist.get_world_size(data_parallel_group)
     dist.all_gather_object(rng_states, capture_rng_state(), group=data_parallel_group)
+    folder = shard.folder(root, iteration)
+    own_shard = shard_tensors(optimizer)
+    if own_shard:
+        folder.mkdir(parents=True, exist_ok=True)
+        _atomic_save({"shard": [tensor.detach().cpu() for tensor in own_shard]},
+                     folder / optimizer_shard_file(shard.dp_rank))
     if shard.dp_rank == 0:
         state = {
             "iteration": iteration,
@@ -98,7 +116,6 @@ def save_checkpoint(
             "opt_param_scheduler": scheduler.state_dict(),
             "rng_state": rng_states,
         }
-        folder = shard.folder(root, iteration)
         folder.mkdir(parents=True, exist_ok=True)
         _atomic_save(state, folder / SHARD_FILE)
     dist.barrier()
@@ -120,10 +137,30 @@ def load_checkpoint(
     if iteration is None:
         logger.info("no checkpoint in %s; starting from scratch", root)
         return 0
-    path = shard.folder(Path(root), iteration) / SHARD_FILE
-    state = torch.load(path, map_location="cpu", weights_only=False)
+    from mover_plugin.megatron.distributed_optimizer import (
+        ensure_shard_state,
+        restore_step_counters,
+        shard_tensors,
+        uses_distributed_optimizer,
+    )
+
+    folder = shard.folder(Path(root), iteration)
+    state = torch.load(folder / SHARD_FILE, map_location="cpu", weights_only=False)
     model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
+    if uses_distributed_optimizer(optimizer):
+        # The common state loads into existing shard tensors, which the file then fills.
+        ensure_shard_state(optimizer)
+        optimizer.load_state_dict(state["optimizer"])
+        restore_step_counters(optimizer)
+        saved = torch.load(folder / optimizer_shard_file(shard.dp_rank), map_location="cpu",
+                           weights_only=True)["shard"]
+        with torch.no_grad():
+            for tensor, value in zip(shard_tensors(optimizer), saved, strict=True):
+                tensor.copy_(value)
+    else:
+        optimizer.load_state_dict(state["optimizer"])
+    # Megatron-Core's scheduler loads its state by stepping on from where it is.
+    scheduler.num_steps = 0
     scheduler.load_state_dict(state["opt_param_scheduler"])
     restore_rng_state(state["rng_state"][shard.dp_rank])
     return int(state["iteration"])

@@ -23,10 +23,17 @@ drop-in (:mod:`mover_plugin.megatron.training_loop`) creates it when a job runs 
   its start, the rerun state machine's iteration counter rewound and the timers it started
   stopped.
 
-Not yet on this path: the distributed optimizer (refused before the job starts), the standby's
-warm-up in the sandbox (a standby imports and waits; a promoted one builds its model with
-Megatron-LM's own model provider), virtual pipeline stages and DataLoader worker processes'
-effect on detection (``--num-workers 0`` keeps it fast).
+With the distributed optimizer a crash either continues in place (the shard's peer copy,
+:mod:`mover_plugin.megatron.resilience`) or rolls every rank back to Megatron-LM's last
+checkpoint (``--load``), processes kept: each loads it with Megatron-LM's own
+``load_checkpoint``, the running ranks leave ``train()`` (:class:`RolledBack`) and the drop-in
+builds their data iterators again from the checkpoint's counters and enters ``train()`` anew,
+while the joiner goes on through ``pretrain`` from its data iterators as a started process does.
+
+Not yet on this path: the standby's warm-up in the sandbox (a standby imports and waits; a
+promoted one builds its model with Megatron-LM's own model provider), virtual pipeline stages,
+``--overlap-param-gather``, and DataLoader worker processes' effect on detection
+(``--num-workers 0`` keeps it fast).
 """
 
 from __future__ import annotations
@@ -36,7 +43,9 @@ import collections
 import contextlib
 import copy
 import logging
+import os
 import time
+import types
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
@@ -45,6 +54,7 @@ import torch
 from mover_plugin.comm.world import cover_world
 from mover_plugin.errors import LaunchError
 from mover_plugin.megatron.checkpoint import restore_rng_state
+from mover_plugin.megatron.distributed_optimizer import ensure_shard_state
 from mover_plugin.megatron.resilience import MegatronResilience
 from mover_plugin.megatron.standby import parallel_layout
 from mover_plugin.runtime.adapter import Transfer
@@ -55,6 +65,11 @@ logger = logging.getLogger(__name__)
 
 COUNTERS = ("consumed_train_samples", "skipped_train_samples", "consumed_valid_samples")
 """Megatron-LM's data counters in ``args``, handed to a joiner with the iteration."""
+DATA_FLAGS = ("do_train", "do_valid", "do_test")
+"""What Megatron-LM's data set-up decides on the first rank and broadcasts to every rank; a
+joiner builds its data iterators with local collectives, so it gets them from its twin (a
+rank that builds no data loader itself, such as tensor-parallel rank 1, would otherwise skip
+training and exit)."""
 
 
 class ReplayableIterator:
@@ -133,6 +148,15 @@ class StepStart:
     started_timers: frozenset[str]
 
 
+class RolledBack(Exception):
+    """Raised out of Megatron-LM's ``train()`` at a running rank once every rank rolled back
+    to the checkpoint of ``iteration``: the drop-in enters ``train()`` again from there."""
+
+    def __init__(self, iteration: int) -> None:
+        super().__init__(f"rolled back to the checkpoint of iteration {iteration}")
+        self.iteration = iteration
+
+
 class MegatronLMResilience(MegatronResilience):
     """The Megatron-Core adapter, entered from Megatron-LM's hook points (module docstring)."""
 
@@ -148,9 +172,19 @@ class MegatronLMResilience(MegatronResilience):
         self._replay = MicroBatchReplay()
         self._step: Optional[StepStart] = None
         self._training = False
+        self._rolled_back = False
+        """Set by a rollback until this rank leaves the point it was at."""
+        self._held_by_loop: list[Any] = []
+        """Objects of Megatron-LM's loop that cache process groups (its checkpointing context,
+        whose save strategy keeps the group it parallelizes over)."""
+        self.joined_in_place = False
+        """A joiner that took its rank in the running loop (not after a rollback, where every
+        rank enters ``train()`` anew)."""
         # Megatron-LM logs (with collectives) between two train_steps: the leaver of a
         # migration logs the iteration it completed, the joiner starts at the next one.
         self.runtime.switch_before_next_step = True
+        # The shard copy's exchange overlaps Megatron-LM's own work between two steps.
+        self.copy_between_steps = True
 
     @property
     def is_joiner(self) -> bool:
@@ -194,16 +228,39 @@ class MegatronLMResilience(MegatronResilience):
         if not self.is_joiner or self._training:
             return
         self._local.revert()
-        try:
-            self.first_iteration(lambda: 0)
-        finally:
-            self._local = _local_collectives()
+        self.first_iteration(lambda: 0)
+        # After a rollback too the others build their data iterators with local collectives
+        # (:meth:`rebuild_data_iterators`), and the joiner's start-up between its data
+        # iterators and train() has no partner either.
+        self.joined_in_place = not self._rolled_back
+        self._rolled_back = False
+        self._local = _local_collectives()
+
+    def entering_train(self, checkpointing_context: Any) -> None:
+        """Megatron-LM's ``train()`` is entered (with its ``checkpointing_context``, whose
+        cached groups are rewritten after a switch like the model's): after a rollback every
+        rank enters it anew, with its collectives (a joiner that took its rank in the running
+        loop keeps its collectives local until its first iteration)."""
+        if checkpointing_context is not None:
+            self._held_by_loop = [checkpointing_context]
+        if self._local is not None and not self.joined_in_place:
+            self._local.revert()
+            self._local = None
+
+    def rebuild_data_iterators(self, build: Callable[[], Any]) -> Any:
+        """A running rank's data iterators after a rollback, from the counters the checkpoint
+        restored (with local collectives, as a joiner builds them). The timers the left
+        ``train()`` had started are stopped: it starts them again."""
+        _stop_timers_except(frozenset())
+        with _local_collectives():
+            return build()
 
     def train_step(self, train_step: Callable[[], Any], iteration: int,
                    data_iterator: Any) -> Any:
         """One iteration of Megatron-LM's ``train_step`` through the runtime."""
         if not self._training:
             self._start_training(iteration)
+        self.before_step()
         self._replay.begin(data_iterator)
         self._step = self._step_start(iteration)
         progress = self.progress
@@ -213,6 +270,9 @@ class MegatronLMResilience(MegatronResilience):
         progress.step_end(completed, time.perf_counter() - started)
         if result is None:
             self._stop_timers_started_since(self._step)
+        if self._rolled_back:
+            self._rolled_back = False
+            raise RolledBack(completed)
         if completed != iteration + 1:
             raise LaunchError(f"rank {self.runtime.rank}: iteration {iteration} ended with "
                               f"{completed} iterations completed; Megatron-LM's loop counts "
@@ -260,6 +320,10 @@ class MegatronLMResilience(MegatronResilience):
         cover_world([parallel_state.get_model_parallel_group(),
                      parallel_state.get_data_parallel_group(with_context_parallel=True)])
 
+    def group_holders(self) -> tuple[list[Any], list[types.ModuleType]]:
+        objects, modules = super().group_holders()
+        return objects + self._held_by_loop, modules
+
     def restore_snapshot(self, snapshot: dict[str, Any]) -> None:
         super().restore_snapshot(snapshot)
         if not self._training:  # a joiner receiving its state
@@ -282,19 +346,56 @@ class MegatronLMResilience(MegatronResilience):
     @staticmethod
     def _stop_timers_started_since(step: StepStart) -> None:
         """Timers a dropped attempt started are stopped, their partial measure dropped."""
-        from megatron.training.global_vars import get_timers
+        _stop_timers_except(step.started_timers)
 
-        timers = get_timers()
-        for name in _started_timers(timers) - step.started_timers:
-            timers._timers[name]._started = False
-
-    def state_tensors(self, transfer: Transfer) -> list[torch.Tensor]:
+    def model_state_tensors(self) -> list[torch.Tensor]:
         return [tensor for chunk in self._model for tensor in module_state_tensors(chunk.module)]
+
+    def _reload(self) -> Optional[int]:
+        """Megatron-LM's last checkpoint (``--load``) through its own ``load_checkpoint``;
+        None without one."""
+        from megatron.training.checkpointing import (
+            get_checkpoint_tracker_filename,
+            load_checkpoint,
+        )
+
+        args = self.args
+        if not args.load or not os.path.isfile(get_checkpoint_tracker_filename(args.load)):
+            return None
+        if self._step is not None:
+            self._stop_timers_started_since(self._step)
+        # A joiner's distributed optimizer has no state yet, and Megatron-Core's loading
+        # builds on the state it has (with torch's Adam it asserts that there is one).
+        ensure_shard_state(self._optimizer)
+        # Megatron-Core's scheduler loads its state by stepping on from where it is.
+        self._scheduler.num_steps = 0
+        # In place into parameters (and views of them) that require grad.
+        with torch.no_grad():
+            args.iteration, args.num_floating_point_operations_so_far = load_checkpoint(
+                self._model, self._optimizer, self._scheduler)
+        self._share_data_flags()
+        _restart_rerun_state_machine(args.iteration)
+        self._rolled_back = True
+        return args.iteration
+
+    def _share_data_flags(self) -> None:
+        """A joiner that rolled back gets Megatron-LM's data flags from the running ranks
+        (see :data:`DATA_FLAGS`)."""
+        args = self.args
+        mine = None if self.is_joiner and not self._training else {
+            name: bool(getattr(args, name, False)) for name in DATA_FLAGS}
+        records: list[Any] = [None] * self.runtime.world_size
+        torch.distributed.all_gather_object(records, mine)
+        if mine is None:
+            for name, value in next(r for r in records if r is not None).items():
+                setattr(args, name, value)
 
     def state_blob(self) -> dict[str, Any]:
         step = self._step
         assert step is not None, "state is sent from inside an iteration"
-        return {**super().state_blob(), "step_start": step.iteration, "counters": step.counters}
+        return {**super().state_blob(), "step_start": step.iteration, "counters": step.counters,
+                "data_flags": {name: bool(getattr(self.args, name, False))
+                               for name in DATA_FLAGS}}
 
     def load_state(self, state: dict[str, Any], transfer: Transfer) -> None:
         super().load_state(state, transfer)
@@ -303,7 +404,7 @@ class MegatronLMResilience(MegatronResilience):
         done = state["iteration"] - state["step_start"]
         args = self.args
         args.iteration = state["iteration"]
-        for name, value in state["counters"].items():
+        for name, value in {**state["counters"], **state["data_flags"]}.items():
             setattr(args, name, value)
         args.consumed_train_samples += done * args.global_batch_size
 
@@ -312,6 +413,25 @@ def _completed_in_switch() -> tuple[Any, ...]:
     """``train_step``'s result for an iteration the switch completed (its losses were not
     kept): nothing to log, not skipped, no checkpoint or exit requested."""
     return {}, 0, False, False, 0, None, None, 0
+
+
+def _restart_rerun_state_machine(iteration: int) -> None:
+    """Megatron-Core's rerun state machine as at the start of ``iteration`` on every rank (a
+    running rank left it in the middle of an attempt; a joiner's has seen none)."""
+    from megatron.core.rerun_state_machine import RerunState, get_rerun_state_machine
+
+    machine = get_rerun_state_machine()
+    machine.state = RerunState.NOT_RUNNING_YET
+    machine.current_iteration = iteration - 1
+
+
+def _stop_timers_except(kept: frozenset[str]) -> None:
+    """Megatron-LM's started timers but ``kept`` are stopped, their partial measure dropped."""
+    from megatron.training.global_vars import get_timers
+
+    timers = get_timers()
+    for name in _started_timers(timers) - kept:
+        timers._timers[name]._started = False
 
 
 def _started_timers(timers: Any) -> set[str]:

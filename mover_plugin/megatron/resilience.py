@@ -34,11 +34,20 @@ passed that all-reduce, every rank had reached it, so a survivor that had not ye
 update applies it during the switch; if none passed it, nobody applied anything and the
 iteration is redone. Either way all ranks continue from the same iteration.
 
-Limitations: the optimizer state must be replicated across data-parallel ranks (no
-``--use-distributed-optimizer``); a lost rank needs a live data-parallel twin (otherwise the
-controller falls back to the restart baseline); every group uses the ``mover`` backend, so
-Megatron's extra gloo groups are not created (``--resilient`` implies
-``--disable-gloo-process-groups``).
+**The distributed optimizer** (``--use-distributed-optimizer``): a rank's optimizer shard
+exists nowhere else, so after every step each rank sends it to the next rank of its
+data-parallel group, which keeps it in host memory (:mod:`mover_plugin.runtime.peer_copy`;
+``--resilient-no-peer-copy`` turns it off). The step waits for the exchange (in Megatron-LM's
+loop the next step does, so that the exchange overlaps the loop's own work between two steps).
+After a crash the ranks continue in place only if every lost rank's shard is held, current,
+by a live rank and no rank had begun the update of the interrupted iteration; the holder then
+sends the joiner the parameters and the shard.
+Otherwise every rank, the joiner included, rolls back in place to the last checkpoint (the
+``load`` given to :meth:`MegatronResilience.first_iteration`) and trains on from there.
+
+Limitations: a lost rank needs a live data-parallel twin (otherwise the controller falls back
+to the restart baseline); every group uses the ``mover`` backend, so Megatron's extra gloo
+groups are not created (``--resilient`` implies ``--disable-gloo-process-groups``).
 """
 
 from __future__ import annotations
@@ -55,6 +64,12 @@ import torch.distributed as dist
 from mover_plugin.comm.world import cover_world
 from mover_plugin.errors import LaunchError
 from mover_plugin.megatron.checkpoint import capture_rng_state, restore_rng_state
+from mover_plugin.megatron.distributed_optimizer import (
+    ensure_shard_state,
+    restore_step_counters,
+    shard_tensors,
+    uses_distributed_optimizer,
+)
 from mover_plugin.megatron.standby import (
     StandbyWarmUp,
     TrainingObjects,
@@ -65,6 +80,7 @@ from mover_plugin.megatron.standby import (
 from mover_plugin.progress import ProgressReporter
 from mover_plugin.runtime.adapter import Continuation, Transfer
 from mover_plugin.runtime.handover import module_state_tensors
+from mover_plugin.runtime.peer_copy import PeerCopy, decide_continuation
 from mover_plugin.runtime.resilience import ResilienceRuntime
 from mover_plugin.runtime.settings import ResilienceSettings
 
@@ -95,6 +111,16 @@ class MegatronResilience:
         """A standby's model of the role it kept from its warm-up in the sandbox."""
         self._adopted = False
         """Whether this joiner trains with the model it warmed up (rather than a new one)."""
+        self._sharded = False
+        """Whether the optimizer is Megatron-Core's distributed optimizer."""
+        self._peer_copy: Optional[PeerCopy] = None
+        self._load: Callable[[], Optional[int]] = lambda: None
+        """Loads the last checkpoint into the model and optimizer (for a rollback)."""
+        self.copy_between_steps = False
+        """Whether the peer copy's exchange may run on after a step returns, until
+        :meth:`before_step` (for a loop that calls it before each step reports its begin, and
+        does work of its own between two steps that the exchange overlaps); otherwise each
+        step waits for its exchange before it returns."""
         self.runtime = ResilienceRuntime.connect(settings or args.resilience, self)
 
     # -- what the training script calls ---------------------------------------------------
@@ -157,8 +183,14 @@ class MegatronResilience:
         """Registers the training objects and puts the commit gate before every update."""
         self._model, self._optimizer, self._scheduler = model, optimizer, scheduler
         update, runtime = optimizer.step_with_ready_grads, self.runtime
+        self._sharded = uses_distributed_optimizer(optimizer)
+        if self._sharded and not getattr(self.args, "resilient_no_peer_copy", False):
+            self._peer_copy = PeerCopy(runtime.control.store, runtime.rank, runtime.timeout())
+        peer_copy = self._peer_copy
 
         def gated_update() -> bool:
+            if peer_copy is not None:
+                peer_copy.before_update()
             runtime.commit()
             applied = update()
             runtime.ledger.count_running_iteration()
@@ -168,7 +200,10 @@ class MegatronResilience:
         self._apply_update = update
 
     def first_iteration(self, load: Callable[[], int]) -> int:
-        """The iteration to start from: a joiner's comes from its twin, others ``load()``."""
+        """The iteration to start from: a joiner's comes from its twin, others ``load()``
+        (which loads the last checkpoint, or returns 0 without one; a rollback calls it
+        too)."""
+        self._load = load
         if self.runtime.joiner_of is None:
             return self.runtime.begin(load())
         return self.runtime.join(adopted=self._adopted)
@@ -178,19 +213,73 @@ class MegatronResilience:
         return self.runtime.run_step(iteration, step)
 
     def finish(self) -> None:
+        """Training is over: the runtime stops following the job; with the peer copy, the
+        host memory it used is reported (a ``peer_copy`` event)."""
+        copy = self._peer_copy
+        if copy is not None:
+            copy.settle()
+            self.runtime.control.post("peer_copy", rank=self.runtime.rank, bytes=copy.nbytes,
+                                      time=time.time())
+            copy.close()
         self.runtime.finish()
 
     # -- after a crash (FrameworkAdapter) -------------------------------------------------
 
     def continue_after_crash(self, plan: dict[str, Any],
                              snapshot: dict[str, Any]) -> Continuation:
+        if self._sharded:
+            return self._continue_sharded(snapshot)
         target = self._agree_on_iteration(contribute=True)
         self._settle_iteration(target, snapshot)
         return Continuation(target, {item["rank"]: item["twin"]
                                      for item in plan["replacements"]})
 
     def continue_as_joiner(self) -> Continuation:
+        if self._sharded:
+            return self._continue_sharded(None)
         return Continuation(self._agree_on_iteration(contribute=False))
+
+    def _continue_sharded(self, snapshot: Optional[dict[str, Any]]) -> Continuation:
+        """With the distributed optimizer: in place when every lost rank's current shard is
+        held by a live rank, otherwise a rollback (module docstring). ``snapshot`` is None at
+        a joiner."""
+        target, rollback, holders = self._agree_on_shards(contribute=snapshot is not None)
+        if rollback is not None:
+            return self._roll_back(rollback)
+        step = self.runtime.ledger.step
+        if snapshot is not None and step is not None and step.iteration == target:
+            self.restore_snapshot(snapshot)  # the dropped iteration is redone
+        return Continuation(target, holders)
+
+    def _agree_on_shards(self, *, contribute: bool) -> tuple[int, Optional[str], dict[int, int]]:
+        copy = self._peer_copy
+        if copy is not None:
+            copy.settle()  # an exchange in flight ends, completed or failed
+        mine = None
+        if contribute:
+            ledger = self.runtime.ledger
+            step = ledger.step
+            updating = (step is not None and step.passed_commit
+                        and ledger.applied == step.iteration)
+            mine = {"applied": ledger.applied, "updating": updating,
+                    "held_of": copy.held_of if copy else -1,
+                    "held_version": copy.held_version if copy else -1}
+        records: list[Any] = [None] * self.runtime.world_size
+        dist.all_gather_object(records, mine)
+        return decide_continuation(records, copy is not None, off="--resilient-no-peer-copy")
+
+    def _roll_back(self, why: str) -> Continuation:
+        if self._peer_copy is not None:
+            self._peer_copy.forget()
+        continuation = self.runtime.roll_back(why, self._reload)
+        restore_step_counters(self._optimizer)
+        forget_agreed_flags(self._optimizer)
+        return continuation
+
+    def _reload(self) -> Optional[int]:
+        """The last checkpoint, loaded in place; None if there is none."""
+        iteration = self._load()
+        return iteration or None
 
     def _agree_on_iteration(self, *, contribute: bool) -> int:
         """All ranks of the new generation learn the iteration everyone will be at.
@@ -260,12 +349,46 @@ class MegatronResilience:
         restore_rng_state(snapshot)
 
     def after_step(self, iteration: int) -> None:
-        pass
+        copy = self._peer_copy
+        if copy is not None:
+            copy.refresh(shard_tensors(self._optimizer), iteration + 1, self.runtime.generation,
+                         self._ring())
+            if not self.copy_between_steps:
+                copy.settle()
+
+    def before_step(self) -> None:
+        """Waits for the peer copy's exchange of the last step (see
+        :attr:`copy_between_steps`): a rank lost after this point, until the commit of the
+        next step, has a current copy on its peer."""
+        if self._peer_copy is not None:
+            self._peer_copy.settle()
+
+    @staticmethod
+    def _ring() -> tuple[int, int]:
+        """The next and the previous global rank of this rank's data-parallel group."""
+        from megatron.core import parallel_state
+
+        group = parallel_state.get_data_parallel_group()
+        ranks = dist.get_process_group_ranks(group)
+        index = ranks.index(dist.get_rank())
+        return ranks[(index + 1) % len(ranks)], ranks[(index - 1) % len(ranks)]
+
+    def model_state_tensors(self) -> list[torch.Tensor]:
+        """The model's parameters and buffers: a data-parallel twin holds the same."""
+        return module_state_tensors(self._model.module)
 
     def state_tensors(self, transfer: Transfer) -> list[torch.Tensor]:
-        # A data-parallel twin holds the same replica as the lost rank: every transfer sends
-        # the model's parameters and buffers.
-        return module_state_tensors(self._model.module)
+        """The model's parameters and buffers; with the distributed optimizer also the shard:
+        the leaver's own in a hand-over, the copy its holder keeps of a lost rank's, received
+        into the joiner's own shard (whose state is created first)."""
+        model = self.model_state_tensors()
+        if not self._sharded:
+            return model
+        if transfer is Transfer.COPY_SENT:
+            assert self._peer_copy is not None
+            return model + self._peer_copy.held()
+        ensure_shard_state(self._optimizer)
+        return model + shard_tensors(self._optimizer)
 
     def state_blob(self) -> dict[str, Any]:
         return {"optimizer": self._optimizer.state_dict(),
@@ -273,6 +396,7 @@ class MegatronResilience:
 
     def load_state(self, state: dict[str, Any], transfer: Transfer) -> None:
         self._optimizer.load_state_dict(state["optimizer"])
+        restore_step_counters(self._optimizer)
         self._scheduler.load_state_dict(state["scheduler"])
         forget_agreed_flags(self._optimizer)
 

@@ -25,7 +25,7 @@ import of ``megatron.training``:
 pretrain_gpt.py ...``, which is how a failure-free ``torchrun`` run is compared with a
 ``mover-launch`` run.
 
-Not yet on this path with ``--resilient``: the distributed optimizer, virtual pipeline stages
+Not yet on this path with ``--resilient``: virtual pipeline stages, ``--overlap-param-gather``
 and Megatron-LM's own in-process restart are refused before the job starts.
 """
 
@@ -77,6 +77,8 @@ class DropInHooks(MegatronLMHooks):
     def __init__(self) -> None:
         self.resilience: Optional["MegatronLMResilience"] = None
         """The runtime of a ``--resilient`` process, from its distributed set-up on."""
+        self._data_iterators: Callable[[], Any] = lambda: None
+        """Megatron-LM's data iterators built again (after a rollback)."""
         self._progress: Optional[ProgressReporter] = None
         """Step reports to ``mover-launch``'s agent without ``--resilient`` (the runtime makes
         its own): for ``--inject-failure``, the restart policy's summary and hang detection."""
@@ -134,6 +136,7 @@ class DropInHooks(MegatronLMHooks):
     def around_data_iterators(self, build: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if self.resilience is not None:
             self.resilience.before_data_iterators()
+        self._data_iterators = lambda: build(*args, **kwargs)
         return build(*args, **kwargs)
 
     def around_train_step(self, train_step: Callable[..., Any], *args: Any,
@@ -158,7 +161,7 @@ class DropInHooks(MegatronLMHooks):
                             **kwargs: Any) -> Any:
         if self.resilience is None:
             return training_log(*args, **kwargs)
-        if self.resilience.is_joiner:
+        if self.resilience.joined_in_place:
             # Megatron-LM logs a process's first iteration whatever the log interval, with a
             # WORLD barrier and gather; a joiner's first is not the job's: log as the others.
             kwargs["is_first_iteration"] = False
@@ -168,9 +171,20 @@ class DropInHooks(MegatronLMHooks):
                                              report_memory_flag)
 
     def around_train(self, train: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Megatron-LM's ``train()``; then ``PARAMS_DIGEST`` when asked, and the runtime of a
-        ``--resilient`` process stops following the job."""
-        result = train(*args, **kwargs)
+        """Megatron-LM's ``train()`` (entered again from the checkpoint after a rollback);
+        then ``PARAMS_DIGEST`` when asked, and the runtime of a ``--resilient`` process stops
+        following the job."""
+        from mover_plugin.megatron.lm_resilience import RolledBack
+
+        while True:
+            if self.resilience is not None:
+                self.resilience.entering_train(_argument(args, kwargs, 8,
+                                                         "checkpointing_context"))
+            try:
+                result = train(*args, **kwargs)
+                break
+            except RolledBack:
+                args, kwargs = self._with_new_data_iterators(args, kwargs)
         from megatron.training import get_args
 
         megatron_args = get_args()
@@ -179,6 +193,30 @@ class DropInHooks(MegatronLMHooks):
         if self.resilience is not None:
             self.resilience.finish()
         return result
+
+
+    def _with_new_data_iterators(self, args: tuple[Any, ...], kwargs: dict[str, Any]
+                                 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """``train()``'s arguments with training and validation data iterators built again
+        (from the counters the checkpoint restored)."""
+        assert self.resilience is not None, "only a --resilient job rolls back"
+        train_iterator, valid_iterator, _ = self.resilience.rebuild_data_iterators(
+            self._data_iterators)
+        positional = list(args)
+        for index, name, value in ((4, "train_data_iterator", train_iterator),
+                                   (5, "valid_data_iterator", valid_iterator)):
+            if name in kwargs:
+                kwargs[name] = value
+            else:
+                positional[index] = value
+        return tuple(positional), kwargs
+
+
+def _argument(args: tuple[Any, ...], kwargs: dict[str, Any], index: int, name: str) -> Any:
+    """An argument of a hooked call, by keyword or by position (None if not given)."""
+    if name in kwargs:
+        return kwargs[name]
+    return args[index] if len(args) > index else None
 
 
 def _raise_config_error(message: str) -> NoReturn:
@@ -199,7 +237,7 @@ def check_arguments(args: argparse.Namespace) -> None:
             f"{args.tensor_model_parallel_size} x pipeline {args.pipeline_model_parallel_size}"
             f" x context {args.context_parallel_size}); use at least 2 data-parallel replicas")
     refused = {
-        "--use-distributed-optimizer": args.use_distributed_optimizer,
+        "--overlap-param-gather": args.overlap_param_gather,
         "--num-layers-per-virtual-pipeline-stage (virtual pipeline stages)":
             args.virtual_pipeline_model_parallel_size is not None,
         "--inprocess-restart": getattr(args, "inprocess_restart", False),

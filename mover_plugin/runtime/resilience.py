@@ -57,7 +57,7 @@ from mover_plugin.comm.world import WorldOptions
 from mover_plugin.errors import LaunchError
 from mover_plugin.layout import ParallelLayout
 from mover_plugin.progress import ProgressReporter
-from mover_plugin.runtime.adapter import FrameworkAdapter, Transfer
+from mover_plugin.runtime.adapter import Continuation, FrameworkAdapter, Transfer
 from mover_plugin.runtime.control import ControlClient
 from mover_plugin.runtime.exits import exit_now, is_peer_failure
 from mover_plugin.runtime.faults import FaultInjector
@@ -228,8 +228,9 @@ class ResilienceRuntime:
     def run_step(self, iteration: int, step: Callable[[int], Any]) -> tuple[Any, int]:
         """Runs ``step(iteration)`` until it completes in some generation.
 
-        Returns the step's result (None when the iteration was completed during a switch)
-        and the number of iterations completed.
+        Returns the step's result (None when the iteration was completed during a switch,
+        or when every rank rolled back to a checkpoint) and the number of iterations
+        completed.
         """
         if self.migration.switch_agreed and self.switch_before_next_step:
             self.migration.switch_at_boundary(self._last_step_s)
@@ -252,10 +253,10 @@ class ResilienceRuntime:
                 if not is_peer_failure(error):
                     raise
                 self._leave_step(error)
-            target = self._switch_generation(snapshot)
-            if target != iteration:
+            continuation = self._switch_generation(snapshot)
+            if continuation.rolled_back or continuation.iteration != iteration:
                 self.ledger.end()
-                return None, target
+                return None, continuation.iteration
 
     def recover_between_steps(self, error: BaseException) -> int:
         """For a peer lost while this rank ran the training loop's own collectives between
@@ -265,7 +266,7 @@ class ResilienceRuntime:
         if not is_peer_failure(error):
             raise error
         self._leave_step(error)
-        return self._switch_generation({})
+        return self._switch_generation({}).iteration
 
     def _wait_for_standbys(self) -> None:
         """Training starts protected: its first step waits until the standbys are ready
@@ -289,6 +290,25 @@ class ResilienceRuntime:
             migration.switch_agreed = True  # every rank switches at the end of this iteration
             self.faults.at(f"update={self.rank}", self.rank)
 
+    def roll_back(self, why: str, load: Callable[[], Optional[int]]) -> Continuation:
+        """Every rank's part of a rollback in place (the process is kept): ``load()`` puts the
+        last checkpoint back into the model and optimizer and returns its iteration, or None
+        when there is none, and then this process exits with status 1 (the launcher sees it at
+        once and falls back to restarting the job)."""
+        started = time.time()
+        iteration = load()
+        if iteration is None:
+            logger.error("rank %d: cannot continue in place (%s) and there is no checkpoint "
+                         "to roll back to; exiting", self.rank, why)
+            self.finish()
+            exit_now(status=1)
+        self.ledger.applied = iteration
+        self.control.post("rolled_back", rank=self.rank, iteration=iteration, reason=why,
+                          load_s=time.time() - started, time=time.time())
+        logger.warning("rank %d rolled back to the checkpoint of iteration %d: %s", self.rank,
+                       iteration, why)
+        return Continuation(iteration, rolled_back=True)
+
     def _leave_step(self, error: BaseException) -> None:
         cause = "alarm" if isinstance(error, CollectiveAborted) else "peer error"
         self.control.post("left_step", rank=self.rank, cause=cause, time=time.time(),
@@ -299,8 +319,8 @@ class ResilienceRuntime:
 
     # -- generation switch ----------------------------------------------------------------
 
-    def _switch_generation(self, snapshot: dict[str, Any]) -> int:
-        """A survivor's switch after a lost rank; returns the iteration all ranks are at."""
+    def _switch_generation(self, snapshot: dict[str, Any]) -> Continuation:
+        """A survivor's switch after a lost rank; returns where all ranks continue."""
         started = time.time()
         self.migration.discard()  # a migration under way is called off
         self.advance_generation()
@@ -313,7 +333,7 @@ class ResilienceRuntime:
                 self._send_state(lost, continuation.iteration)
         self.control.post("switched", rank=self.rank, role="survivor", time=time.time(),
                           switch_s=time.time() - started, references=replaced)
-        return continuation.iteration
+        return continuation
 
     def advance_generation(self, generation: Optional[int] = None) -> None:
         """Moves to ``generation`` (by default the one the controller names next)."""

@@ -72,6 +72,11 @@ def add_resilience_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     group.add_argument("--resilient", dest=_dest("enabled"), action="store_true",
                        help="Survive rank failures in-process (with mover-launch --policy "
                        "resilient): a standby takes the lost rank's place.")
+    group.add_argument("--resilient-no-peer-copy", action="store_true",
+                       help="With --use-distributed-optimizer: keep no copy of each rank's "
+                       "optimizer shard on a data-parallel peer (saves two shards of host "
+                       "memory per rank; a crash then rolls every rank back to the last "
+                       "checkpoint).")
     for item in fields(ResilienceSettings):
         if item.name == "enabled":
             continue

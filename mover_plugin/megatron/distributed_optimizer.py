@@ -1,0 +1,86 @@
+"""What Megatron-Core's distributed optimizer holds, from the resilience runtime's point of view.
+
+With ``--use-distributed-optimizer`` each rank of a data-parallel group updates one shard of
+the parameters: it keeps the optimizer's state (Adam's moments) of that shard only, and, when
+the model trains in fp16 or bf16, the fp32 main copy of it. The model's parameters themselves
+are whole on every rank (gathered after each update), so a data-parallel twin still holds them;
+the shard exists nowhere else.
+
+- :func:`distributed_optimizers`: the distributed optimizers behind Megatron's optimizer (one,
+  or those a ``ChainedOptimizer`` chains);
+- :func:`shard_tensors`: this rank's shard as live tensors in a fixed order (per optimizer,
+  parameter group and parameter: the fp32 main copy where it is a tensor of its own, then each
+  tensor of the optimizer's state); the ``step`` counters travel with the optimizer's
+  ``state_dict()``;
+- :func:`ensure_shard_state`: a fresh optimizer has no state until its first step; a joiner
+  creates it (Megatron-Core's own dummy step) before the shard is received in place, and loads
+  the sender's ``state_dict()`` after, which keeps those tensors;
+- :func:`restore_step_counters`: with torch's Adam (no TE or Apex, as on CPU) the step
+  counters need care after a load. ``DistributedOptimizer.load_state_dict`` gives every
+  parameter's state one and the same ``step`` tensor, and torch's Adam adds 1 to each
+  parameter's ``step`` in place, so the shared counter would advance once per parameter;
+  Megatron-LM's ``load_checkpoint`` (``torch_dist`` format) restores the parameter groups'
+  ``step`` but leaves each parameter's counter as it was (a joiner's at its dummy step, a
+  running rank's at the iteration it had reached). Either way every later bias correction
+  would be wrong. After each load every parameter gets a counter of its own, equal to its
+  group's.
+
+Written for Megatron-Core 0.19's ``DistributedOptimizer`` with a torch or TE Adam.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def distributed_optimizers(optimizer: Any) -> list[Any]:
+    """The ``DistributedOptimizer`` instances behind ``optimizer`` (empty without one)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    chained = getattr(optimizer, "chained_optimizers", None)
+    members = list(chained) if chained is not None else [optimizer]
+    return [item for item in members if isinstance(item, DistributedOptimizer)]
+
+
+def uses_distributed_optimizer(optimizer: Any) -> bool:
+    return bool(distributed_optimizers(optimizer))
+
+
+def shard_tensors(optimizer: Any) -> list[torch.Tensor]:
+    """This rank's optimizer shard as live tensors (writing into them changes the shard)."""
+    tensors: list[torch.Tensor] = []
+    for item in distributed_optimizers(optimizer):
+        separate = {id(p) for group in item.shard_fp32_from_float16_groups for p in group}
+        keys = item.optimizer_state_keys
+        for group in item.optimizer.param_groups:
+            for main in group["params"]:
+                if id(main) in separate:
+                    tensors.append(main.data)
+                state = item.optimizer.state.get(main, {})
+                tensors.extend(state[key] for key in keys if key in state)
+    return tensors
+
+
+def ensure_shard_state(optimizer: Any) -> None:
+    """Creates the optimizer state of every distributed optimizer that has none yet (a dummy
+    step with zero gradients; the values are overwritten by the shard received)."""
+    for item in distributed_optimizers(optimizer):
+        if len(item.optimizer.state) == 0:
+            item._init_optimizer_states_with_dummy_values()
+
+
+def restore_step_counters(optimizer: Any) -> None:
+    """Gives every parameter's optimizer state a ``step`` tensor of its own, equal to its
+    parameter group's ``step`` where the group has one (see the module docstring)."""
+    for item in distributed_optimizers(optimizer):
+        for group in item.optimizer.param_groups:
+            for main in group["params"]:
+                state = item.optimizer.state.get(main, {})
+                step = state.get("step")
+                if not isinstance(step, torch.Tensor):
+                    continue
+                value = group.get("step", None)
+                state["step"] = (step.clone() if value is None
+                                 else torch.full_like(step, float(value)))
