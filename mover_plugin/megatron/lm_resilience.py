@@ -282,11 +282,15 @@ class MegatronLMResilience(MegatronResilience):
     def between_steps(self, work: Callable[[], Any], if_interrupted: Any) -> Any:
         """``work()``, Megatron-LM's own collectives after an iteration (``training_log``); if
         a peer is lost meanwhile, the ranks switch generation from the completed iteration
-        and ``if_interrupted`` stands in for the result."""
+        and ``if_interrupted`` stands in for the result (or, if every rank rolled back to the
+        checkpoint, :class:`RolledBack` leaves ``train()``)."""
         try:
             return work()
         except Exception as error:  # noqa: BLE001 - the runtime re-raises all but lost peers
             completed = self.runtime.recover_between_steps(error)
+            if self._rolled_back:
+                self._rolled_back = False
+                raise RolledBack(completed) from None
             self._stop_timers_started_since(self._step)
             logger.warning("rank %d: a peer was lost after iteration %d; its log line is "
                            "dropped", self.runtime.rank, completed)

@@ -194,7 +194,6 @@ class DropInHooks(MegatronLMHooks):
             self.resilience.finish()
         return result
 
-
     def _with_new_data_iterators(self, args: tuple[Any, ...], kwargs: dict[str, Any]
                                  ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """``train()``'s arguments with training and validation data iterators built again
