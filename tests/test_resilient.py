@@ -103,6 +103,21 @@ def test_the_distributed_optimizer_continues_in_place_from_the_peer_copy(tmp_pat
     assert {e["rank"] for e in events if e["event"] == "peer_copy"} == {0, 1, 2, 3}
 
 
+def test_without_the_peer_copy_every_rank_rolls_back_to_the_examples_checkpoint(
+        tmp_path, reference_distopt):
+    """--resilient-no-peer-copy: the lost rank's shard exists nowhere, so every rank rolls back
+    in place to the example's last checkpoint, whose optimizer shards every rank saved."""
+    ckpt = str(tmp_path / "ckpt")
+    result, summary, events = resilient_run(
+        tmp_path, "1:8",
+        script_flags=[*DISTRIBUTED, "--resilient", "--resilient-no-peer-copy", "--save", ckpt,
+                      "--load", ckpt, "--save-interval", "3"])
+    assert digest(result) == digest(reference_distopt)
+    (interruption,) = summary["interruptions"]
+    assert interruption["rolled_back_to"] == 6 and summary["restarts"] == 0
+    assert sorted(e["rank"] for e in events if e["event"] == "rolled_back") == [0, 1, 2, 3]
+
+
 @pytest.fixture(scope="module")
 def reference_distopt():
     """TP1 x PP2 x DP2 with the distributed optimizer, 10 steps, no interruption."""

@@ -146,10 +146,14 @@ def load_checkpoint(
 
     folder = shard.folder(Path(root), iteration)
     state = torch.load(folder / SHARD_FILE, map_location="cpu", weights_only=False)
-    model.load_state_dict(state["model"])
-    if uses_distributed_optimizer(optimizer):
-        # The common state loads into existing shard tensors, which the file then fills.
+    sharded = uses_distributed_optimizer(optimizer)
+    if sharded:
+        # The common state loads into existing shard tensors, which the file then fills. They
+        # are created (by a dummy step, which with weight decay changes the parameters)
+        # before the parameters are loaded.
         ensure_shard_state(optimizer)
+    model.load_state_dict(state["model"])
+    if sharded:
         optimizer.load_state_dict(state["optimizer"])
         restore_step_counters(optimizer)
         saved = torch.load(folder / optimizer_shard_file(shard.dp_rank), map_location="cpu",
