@@ -35,6 +35,8 @@ setup(
         # megatron-core's [mlm]: Megatron-LM's tokenizers and loggers (megatron.training).
         "megatron-training": ["megatron-core[mlm]>=0.19.2,<0.20"],
         "deepspeed": ["deepspeed>=0.19.8,<0.20"],
+        # mover report's timeline picture.
+        "report": ["matplotlib>=3.8"],
         "test": ["pytest>=8"],
     },
     entry_points={

@@ -35,3 +35,4 @@ else
     exit 1
 fi
 echo "demo: summary in $run_dir/summary.json, event log in $run_dir/events.jsonl"
+mover report "$run_dir" | sed 's/^/demo: /'

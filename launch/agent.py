@@ -4,7 +4,8 @@ The agent reads the controller's commands (``start``, ``stop``, ``promote``, ``g
 ``notice``, ``cancel_promotion``, ``finish``, ``abort``) from the store and posts what it sees
 (``joined``, ``started``, ``ready``, ``first_step``, ``worker_exit``, ``leaver_exit``, ``injected``,
 ``migration_due``, ``hung``, ``standby_ready``, ``standby_exit``, ``stopped``, ``node_done``,
-``node_busy``) as events. It notices a process's exit within one poll period (10 ms), reads each
+``node_busy``; ``steps``: global rank 0's step ends, batched by
+:mod:`mover_plugin.launch.step_times`) as events. It notices a process's exit within one poll period (10 ms), reads each
 process's progress pipe to deliver injected failures at the step they name and to see heartbeats (a
 process silent past the timeout its heartbeats announce is killed, so that its exit starts the
 recovery), and stops every process when the controller goes away. Besides the workers it starts the
@@ -48,6 +49,7 @@ from mover_plugin.contract import (
     encode_notice,
 )
 from mover_plugin.launch.config import FailureInjection, MigrationInjection, NodeSpec
+from mover_plugin.launch.step_times import StepBatch
 from mover_plugin.mailbox import Mailbox, connect_to_controller
 from mover_plugin.processes import (
     describe_exit,
@@ -199,6 +201,7 @@ class Agent:
         """This host reported itself done because all its ranks moved away."""
         self._busy: dict[int, dict[int, float]] = {}
         """Busy times by step, then rank, until every local rank reported the step."""
+        self._step_times = StepBatch(self._post)
 
     def run(self) -> int:
         """Serves the controller until it says ``finish`` (returns 0) or ``abort`` (1)."""
@@ -212,6 +215,7 @@ class Agent:
                         return exit_code
                 self._read_progress(POLL_PERIOD_S)
                 self._check_exits()
+                self._step_times.post_if_due()
         except (RuntimeError, ConnectionError) as error:  # the controller's store is gone
             logger.error("node %d lost the controller (%s); stopping its workers", node.node_rank,
                          error)
@@ -243,6 +247,7 @@ class Agent:
         elif op == "stop" and command["attempt"] == self._attempt:
             progress = [w.progress_fields() for w in self._workers]
             self._stop_workers()
+            self._step_times.post()
             self._post("stopped", workers=progress)
         elif op == "finish":
             return 0
@@ -390,6 +395,10 @@ class Agent:
 
     def _on_progress(self, worker: Worker, event: ProgressEvent) -> None:
         worker.last_heard = time.monotonic()
+        if event.kind == STEP_END:
+            # For the timeline every step end counts, also one of the generation a migration
+            # is leaving (its ranks train on in it until the switch).
+            self._step_times.add(worker.rank, event.step, event.time, event.duration_s)
         if event.kind == HEARTBEAT:
             # A timeout of 0 ends the watch: the process is shutting down.
             worker.hang_timeout_s = event.duration_s or None
@@ -483,6 +492,7 @@ class Agent:
             steps = min(w.step_completed for w in ranked)
             workers = [w.progress_fields() for w in ranked]
             self._stop_workers()  # the standbys left over
+            self._step_times.post()
             self._post("node_done", steps_completed=steps, workers=workers)
 
     def _check_heartbeat(self, worker: Worker) -> None:

@@ -109,9 +109,9 @@ def _run_agent_only(config: LaunchConfig) -> int:
 def _report(summary: RunSummary, config: LaunchConfig) -> None:
     if config.summary_path:
         summary.write(config.summary_path)
+    steps = "unknown" if summary.steps_completed is None else summary.steps_completed
     logger.info("job ended with exit code %s after %.2f s: %s steps, %d restart(s)",
-                summary.exit_code, summary.wall_time_s or 0.0, summary.steps_completed,
-                summary.restarts)
+                summary.exit_code, summary.wall_time_s or 0.0, steps, summary.restarts)
     for item in summary.interruptions:
         data = item.to_dict()
         phases = ", ".join(f"{p} +{s:.3f}s" for p, s in data["phases_s"].items())

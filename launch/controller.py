@@ -47,6 +47,7 @@ from mover_plugin.launch.eventlog import EventLog
 from mover_plugin.launch.migration import Migrations
 from mover_plugin.launch.operator_requests import OperatorRequests
 from mover_plugin.launch.recovery import CrashRecovery
+from mover_plugin.launch.step_times import StepTimeline
 from mover_plugin.launch.summary import RunSummary
 from mover_plugin.launch.timing import InterruptionTiming
 from mover_plugin.mailbox import Mailbox
@@ -101,11 +102,13 @@ class Controller:
         self._recovery = CrashRecovery(self._ctx, self._timing, self._attempts)
         self._migrations = Migrations(self._ctx, self._recovery)
         self._operator = OperatorRequests(self._ctx, self._migrations)
+        self._step_timeline = StepTimeline(self._ctx)
         self._wire()
         self._handler_of, self._any_attempt = handler_table(self._units())
 
     def _units(self) -> list[Unit]:
-        return [self._attempts, self._timing, self._recovery, self._migrations, self._operator]
+        return [self._attempts, self._timing, self._recovery, self._migrations, self._operator,
+                self._step_timeline]
 
     def _wire(self) -> None:
         # A failure during a migration is the migration's to judge first.

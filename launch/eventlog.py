@@ -25,10 +25,14 @@ class EventLog:
             self._file = open(path, "a", encoding="utf-8")
 
     def write(self, event: str, phase: str, *, generation: int, rank: Optional[int] = None,
-              when: Optional[float] = None, **fields: Any) -> dict[str, Any]:
+              when: Optional[float] = None, recent: bool = True,
+              **fields: Any) -> dict[str, Any]:
+        """Appends one record; ``recent=False`` keeps it out of :meth:`recent` (the step
+        times, which would crowd out everything else)."""
         record = {"time": time.time() if when is None else when, "generation": generation,
                   "rank": rank, "event": event, "phase": phase, **fields}
-        self._recent.append(record)
+        if recent:
+            self._recent.append(record)
         if self._file is not None:
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()

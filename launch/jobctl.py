@@ -8,8 +8,9 @@ under the request's own key. The ``mover`` console script is a thin layer over i
     mover migrate --rank 3            # move global rank 3 to a standby, wait until it runs
     mover migrate --host node-b       # move every rank of host node-b
     mover migrate --rank 3 --no-wait  # return once the controller accepted the request
+    mover report RUN [-o FILE.png]    # a finished (or running) run's interruptions and timeline
 
-Both find the job from ``--master-addr``/``--master-port`` like ``mover-launch``, and with
+``status`` and ``migrate`` find the job from ``--master-addr``/``--master-port`` like ``mover-launch``, and with
 neither given, the one job running on this host (:mod:`mover_plugin.launch.jobs`). A request
 the controller cannot carry out (a rank that does not exist, no free standby, a rank already
 being moved, a job that is not resilient) is rejected with one line that says why, and the
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import uuid
@@ -102,6 +104,8 @@ class JobClient:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """The ``mover`` console script."""
     args = _parser().parse_args(argv)
+    if args.command == "report":
+        return _report(args.run, args.output)
     try:
         client = JobClient(args.master_addr, args.master_port)
         if args.command == "status":
@@ -145,7 +149,33 @@ def _parser() -> argparse.ArgumentParser:
                          help="return once the controller accepted the migration")
     migrate.add_argument("--timeout", type=float, default=600.0,
                          help="seconds to wait for the migration to finish (default 600)")
+    report = commands.add_parser(
+        "report", help="a run's interruptions as a table and its timeline as a picture")
+    report.add_argument("run", nargs="+", metavar="RUN",
+                        help="a folder holding summary.json and events.jsonl, or the run's "
+                        "--summary and --event-log files")
+    report.add_argument("-o", "--output", type=_png_path, metavar="FILE.png",
+                        help="where the picture goes (default: report.png beside the summary)")
     return parser
+
+
+def _report(run: Sequence[str], output: Optional[str]) -> int:
+    from mover_plugin.launch.report import report
+
+    try:
+        table, picture = report(run, output)
+    except ConfigError as error:
+        print(f"mover report: error: {error}", file=sys.stderr)
+        return 2
+    print(table)
+    print(f"report: picture in {picture}")
+    return 0
+
+
+def _png_path(text: str) -> str:
+    if not text.lower().endswith(".png") or os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a .png file name")
+    return text
 
 
 def _print_status(status: dict[str, Any], *, as_json: bool) -> None:

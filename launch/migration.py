@@ -127,7 +127,7 @@ class Migrations(Unit):
         ctx.notify(old, "prepare", next=ctx.job.generation)
         for item in plan:
             ctx.record("migration_requested", "migrate", rank=item.rank, when=now,
-                       standby=item.standby, node=item.node)
+                       standby=item.standby, node=item.node, pool=len(ctx.attempt.pool))
         logger.info("generation %d (migration): %s", ctx.job.generation,
                     ", ".join(f"rank {i.rank} -> standby {i.standby}" for i in plan))
 

@@ -4,6 +4,12 @@ With the ``restart`` policy a failed worker makes the controller stop every work
 all again as a new attempt (up to ``max_restarts`` times); the script resumes from its latest
 checkpoint.
 
+A worker that reports an error of its own before it exits (``worker_error``: its training code
+raised, and no alarm said a peer was lost) is not replaced in place whatever the policy: a
+standby taking its rank would redo the same step and meet the same error. The job follows the
+``restart`` path (a restart while ``max_restarts`` allows, then the end of the job), and the
+event log names the error.
+
 With the ``resilient`` policy, when a worker dies (or is found hung, and killed) the controller
 plans generation ``g + 1`` (:func:`mover_plugin.generations.plan_recovery`): a ready standby
 takes the lost global rank and copies a data-parallel twin. It publishes the plan
@@ -51,9 +57,12 @@ class CrashRecovery(Unit):
         self._timing = timing
         self._attempts = attempts
         self._coordinators: list[Coordinator] = []
+        self._own_errors: dict[tuple[int, int], str] = {}
+        """(attempt, rank) -> the error a worker reported as its own before it exited."""
 
     def handlers(self) -> Mapping[str, EventHandler]:
-        return {"worker_exit": self._on_worker_exit, "stopped": self._on_stopped}
+        return {"worker_exit": self._on_worker_exit, "stopped": self._on_stopped,
+                "worker_error": self._on_worker_error}
 
     def add_coordinator(self, coordinator: Coordinator) -> None:
         self._coordinators.append(coordinator)
@@ -69,7 +78,13 @@ class CrashRecovery(Unit):
         self._ctx.record("worker_failed", "detect", rank=rank, when=event["time"],
                          how=event["how"], step=event["step_begun"], leaver=leaver or None)
         logger.warning("rank %d failed at step %d (%s)", rank, event["step_begun"], event["how"])
-        if self._ctx.config.policy == "resilient":
+        own_error = self._own_errors.get((event["attempt"], rank))
+        if own_error is not None:
+            reason = (f"rank {rank} ended with an error of its own ({own_error}), not a lost "
+                      "peer: a replacement would meet it again")
+            self._ctx.record("fallback", "fallback", rank=rank, reason=reason)
+            logger.error("%s; following the restart path", reason)
+        elif self._ctx.config.policy == "resilient":
             plan = plan_recovery(lost, self._ctx.layout(), self._ctx.attempt.pool,
                                  self._ctx.job.node_of_rank)
             if not isinstance(plan, Fallback):
@@ -103,7 +118,7 @@ class CrashRecovery(Unit):
         self._timing.note_left(interruption)
         for item in plan:
             ctx.record("promote", "switch", rank=item.rank, when=now, standby=item.standby,
-                       twin=item.twin)
+                       twin=item.twin, pool=len(ctx.attempt.pool))
         logger.info("generation %d: %s", ctx.job.generation,
                     ", ".join(f"rank {i.rank} <- standby {i.standby} (twin {i.twin})"
                               for i in plan))
@@ -136,6 +151,13 @@ class CrashRecovery(Unit):
             logger.info("rank %d also exited (%s)", event["rank"], event["how"])
             return None
         return self.on_failure(event)
+
+    def _on_worker_error(self, event: Event) -> Optional[int]:
+        """A worker's training code raised with no lost peer behind it; its exit follows."""
+        if event["rank"] is not None:
+            self._own_errors[(event["attempt"], event["rank"])] = event["error"]
+        self._ctx.record("worker_error", "detect", rank=event["rank"], error=event["error"])
+        return None
 
     def _on_stopped(self, event: Event) -> Optional[int]:
         """An agent stopped its workers; once every agent has, the next attempt starts."""

@@ -165,6 +165,7 @@ EVENTS: Mapping[str, EventSchema] = {
     "ready": EventSchema({"rank": int, "step": int}),
     "first_step": EventSchema({"rank": int, "step": int}),
     "busy": EventSchema({"step": int, "ranks": dict}),
+    "steps": EventSchema({"steps": list}),
     "injected": EventSchema({"rank": int, "step": int, "signal": str}),
     "migration_due": EventSchema({"rank": int, "step": int, "fault": OPTIONAL_STR}),
     "worker_exit": EventSchema(_EXIT),
@@ -175,6 +176,8 @@ EVENTS: Mapping[str, EventSchema] = {
     # posted by a worker or standby through its control client
     "standby_warmed": EventSchema({"standby": str}, from_agent=False),
     "left_step": EventSchema({"rank": int, "generation": int}, from_agent=False),
+    "worker_error": EventSchema({"rank": OPTIONAL_INT, "error": str, "traceback": str},
+                                from_agent=False),
     "switched": EventSchema({"rank": int, "generation": int}, from_agent=False),
     "rolled_back": EventSchema({"rank": int, "generation": int, "iteration": int,
                                 "reason": str, "load_s": NUMBER}, from_agent=False),

@@ -82,7 +82,8 @@ class Job:
     def worker(self, kind: str, **fields: Any) -> None:
         fields.setdefault("time", T0)
         fields.setdefault("generation", self.generation)
-        self._events.post({"kind": kind, "attempt": self.attempt, **fields})
+        fields.setdefault("attempt", self.attempt)
+        self._events.post({"kind": kind, **fields})
 
     def raw(self, event: Any) -> None:
         self._events.post(event)
@@ -249,6 +250,47 @@ def test_a_crash_without_a_standby_falls_back_to_a_restart(tmp_path):
     # the last step before came from the stopped report of rank 0 (T0 + 4.5, 1.5 s long)
     assert item["downtime_s"] == pytest.approx(20.03 - 4.5 - 1.5)
     assert len(job.log("worker_ready")) == 4
+
+
+def test_a_rank_ending_with_an_error_of_its_own_is_restarted_not_replaced(job):
+    job.provision()
+    job.commands()
+    job.worker("worker_error", rank=1, error="ValueError: bad batch", traceback="Traceback ...")
+    job.exit(1, returncode=1, how="exit code 1")
+    assert job.poll() is None
+    (fallback,) = job.log("fallback")
+    assert fallback["rank"] == 1 and "ValueError: bad batch" in fallback["reason"]
+    assert job.commands() == [{"op": "stop", "attempt": 0}]
+    assert job.key(plan_key(1)) is None and job.log("promote") == []
+    (reported,) = job.log("worker_error")
+    assert reported["rank"] == 1 and reported["error"] == "ValueError: bad batch"
+
+
+def test_an_error_of_its_own_in_an_earlier_attempt_leaves_later_crashes_to_standbys(job):
+    job.provision()
+    job.worker("worker_error", rank=1, error="ValueError: bad batch", traceback="")
+    job.exit(1, returncode=1, how="exit code 1")
+    job.poll()
+    for node in (0, 1):
+        job.agent(node, "stopped", workers=[])
+    job.poll()
+    job.attempt = 1
+    job.provision()
+    job.commands()
+    job.exit(1)  # the same rank SIGKILLed in the next attempt: a lost peer
+    job.poll()
+    assert len(job.log("fallback")) == 1 and len(job.log("promote")) == 1
+    assert job.controller.summary.restarts == 1
+
+
+def test_step_times_go_to_the_event_log_but_not_to_the_recent_events(job):
+    job.provision()
+    job.agent(0, "steps", steps=[[1, T0 + 1.0, 0.9], [2, T0 + 2.0, 1.0]], time=T0 + 2.1)
+    job.poll()
+    (record,) = job.log("steps")
+    assert record["steps"] == [[1, T0 + 1.0, 0.9], [2, T0 + 2.0, 1.0]]
+    assert record["attempt"] == 0 and record["phase"] == "job"
+    assert "steps" not in {e["event"] for e in job.controller.log.recent(50)}
 
 
 def test_the_restart_limit_ends_the_job(tmp_path):

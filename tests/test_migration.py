@@ -76,6 +76,12 @@ def test_each_of_the_four_ranks_migrates_with_the_exact_result(tmp_path, referen
     assert sorted(e["rank"] for e in leavers) == [0, 1, 2, 3]
     assert {e["how"] for e in leavers} == {"exit code 0"}
     assert not [e for e in events if e["event"] in ("worker_failed", "fallback", "restart")]
+    # The timeline has rank 0's every step once, from the leaver, then from its joiner, and
+    # also those trained while each migration was in its phase 1; but the leaver hands the
+    # rank over inside the step at whose end they switch, and reports no end of it.
+    steps = [item[0] for e in events if e["event"] == "steps" for item in e["steps"]]
+    (switch_step,) = [m["step"] for m in migrations if m["rank"] == 0]
+    assert steps == [step for step in range(1, 41) if step != switch_step]
 
 
 def test_failures_during_migrations_are_survived_with_the_exact_result(tmp_path,

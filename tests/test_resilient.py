@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -83,6 +84,16 @@ def test_a_kill_and_a_hang_with_two_standbys_are_both_survived(tmp_path, referen
     assert [i["kind"] for i in summary["interruptions"]] == ["failure", "hang"]
     assert [i["recovery"] for i in summary["interruptions"]] == ["standby", "standby"]
     assert [e["rank"] for e in events if e["event"] == "hung"] == [2]
+    # mover report on the run's folder: every step's time once, both interruptions, a picture.
+    steps = [item for e in events if e["event"] == "steps" for item in e["steps"]]
+    assert [step for step, _, _ in steps] == list(range(1, 11))
+    report = run_command([sys.executable, "-m", "mover_plugin.launch.jobctl", "report",
+                          str(tmp_path)], timeout_s=120)
+    assert report.returncode == 0, report.output
+    rows = report.stdout.splitlines()[2:-2]  # between the header and the totals
+    assert [row.split()[1:3] for row in rows] == [["failure", "1"], ["hang", "2"]]
+    assert report.stdout.splitlines()[-1] == f"report: picture in {tmp_path / 'report.png'}"
+    assert (tmp_path / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 DISTRIBUTED = ["--pipeline-model-parallel-size", "2", "--train-iters", "10",
@@ -220,3 +231,34 @@ def test_a_spare_hosts_standby_takes_the_lost_rank(tmp_path, reference_pp2):
     (promote,) = [e for e in events if e["event"] == "promote"]
     assert promote["standby"] == "a0.n1.s0"
     assert [e["standby"] for e in events if e["event"] == "standby_ready"] == ["a0.n1.s0"]
+
+
+BUGGY = str(Path(__file__).parent / "scripts" / "pretrain_gpt_with_a_bug.py")
+
+
+def test_an_error_of_the_training_code_ends_the_job_with_its_traceback(tmp_path):
+    """Rank 1's training code raises mid-step an error whose text reads like gloo's for a lost
+    peer; no peer is lost, so no alarm comes: the rank reports the error as its own, its
+    traceback is shown, and the job follows its policy (no restart left: it ends) instead of
+    putting the standby in the rank's place."""
+    summary_path, events_path = tmp_path / "summary.json", tmp_path / "events.jsonl"
+    result = run_command(
+        [*LAUNCH, "--standalone", "--nproc-per-node", "4", "--policy", "resilient",
+         "--standbys", "1", "--max-restarts", "0", "--summary", str(summary_path),
+         "--event-log", str(events_path), "--stop-grace-s", "2", BUGGY, *MODEL, *PP2,
+         "--resilient-failure-timeout-s", "2"],
+        env={"BUG_AT": "1:3"}, timeout_s=300)
+    assert result.returncode == 1, result.output[-5000:]
+    assert "Traceback (most recent call last)" in result.stderr
+    assert "RuntimeError: [gloo/transport/tcp/pair.cc:534] Connection closed by peer (a bug" \
+        in result.stderr
+    events = read_events(events_path)
+    (reported,) = [e for e in events if e["event"] == "worker_error"]
+    assert reported["rank"] == 1 and reported["error"].startswith("RuntimeError: [gloo")
+    (fallback,) = [e for e in events if e["event"] == "fallback"]
+    assert fallback["rank"] == 1 and "an error of its own" in fallback["reason"]
+    assert not [e for e in events if e["event"] in ("promote", "left_step", "switched")]
+    summary = json.loads(summary_path.read_text())
+    assert summary["exit_code"] == 1 and summary["restarts"] == 0
+    (interruption,) = summary["interruptions"]
+    assert interruption["rank"] == 1 and interruption["recovery"] == "restart"

@@ -1,5 +1,5 @@
-"""Parts of the worker runtime tested without a job: the step ledger, injected faults and a
-migration's group preparation in its thread."""
+"""Parts of the worker runtime tested without a job: the step ledger, injected faults, a
+migration's group preparation in its thread, and how an error is told to be a lost peer."""
 
 from __future__ import annotations
 
@@ -7,9 +7,12 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
+from mover_plugin.comm import CollectiveAborted, clear_alarm, raise_alarm
+from mover_plugin.runtime.exits import describe_error, is_lost_peer
 from mover_plugin.runtime.faults import FaultInjector
 from mover_plugin.runtime.ledger import StepLedger
 from mover_plugin.runtime.migration import GroupPreparation
@@ -83,3 +86,45 @@ def test_a_preparation_hands_over_its_groups_or_its_error():
 
     with pytest.raises(RuntimeError, match="joiner lost"):
         GroupPreparation(3, fail).result()
+
+
+@pytest.fixture
+def clear_alarm_after():
+    clear_alarm()
+    yield
+    clear_alarm()
+
+
+GLOO_LIKE = RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer")
+"""The text of a lost peer's error, raised here by the training code itself."""
+
+
+def test_an_error_without_an_alarm_is_the_training_codes_own(clear_alarm_after):
+    started = time.monotonic()
+    assert not is_lost_peer(GLOO_LIKE, grace_s=0.2)
+    assert time.monotonic() - started >= 0.2  # it waited the grace period for the alarm
+
+
+def test_an_error_followed_by_the_alarm_within_the_grace_is_a_lost_peer(clear_alarm_after):
+    timer = threading.Timer(0.05, raise_alarm, args=("rank 3 lost",))
+    timer.start()
+    started = time.monotonic()
+    try:
+        assert is_lost_peer(ValueError("any text"), grace_s=30.0)
+    finally:
+        timer.join()
+    assert time.monotonic() - started < 10.0  # woken by the alarm, not at the end of the grace
+
+
+def test_a_collective_the_plugin_abandoned_is_a_lost_peer_at_once(clear_alarm_after):
+    assert is_lost_peer(CollectiveAborted("all_reduce: aborted by the alarm"), grace_s=0.0)
+
+
+def test_an_error_of_its_own_is_described_with_its_traceback():
+    try:
+        raise ValueError("bad batch")
+    except ValueError as error:
+        described = describe_error(error)
+    assert described["error"] == "ValueError: bad batch"
+    assert described["traceback"].startswith("Traceback") and "raise ValueError" in \
+        described["traceback"]

@@ -13,8 +13,9 @@ hands itself to a :class:`ResilienceRuntime`, which holds everything else:
   group with the framework's groups (:mod:`mover_plugin.comm.world`), so a joiner's default
   group has no connections of its own and no rank ever rebuilds one.
 - **The step.** :meth:`ResilienceRuntime.run_step` runs one training iteration. When a peer is
-  lost (a communication error, or the alarm aborting the collective this rank waits in), the
-  survivor leaves the step, switches to the next generation — only the groups that contain the
+  lost (the controller's alarm aborts the collective this rank waits in, or arrives just after
+  a communication error; an error with no alarm is the training code's own and is re-raised,
+  :mod:`mover_plugin.runtime.exits`), the survivor leaves the step, switches to the next generation — only the groups that contain the
   lost rank, or that some member left in the middle of an operation, are rebuilt
   (:mod:`mover_plugin.comm.delta`), and every cached reference to them is rewritten — and the
   adapter brings it to the iteration all ranks continue from; the runtime then sends each
@@ -59,7 +60,7 @@ from mover_plugin.layout import ParallelLayout
 from mover_plugin.progress import ProgressReporter
 from mover_plugin.runtime.adapter import Continuation, FrameworkAdapter, Transfer
 from mover_plugin.runtime.control import ControlClient
-from mover_plugin.runtime.exits import exit_now, is_peer_failure
+from mover_plugin.runtime.exits import describe_error, exit_now, is_lost_peer
 from mover_plugin.runtime.faults import FaultInjector
 from mover_plugin.runtime.handover import open_handover, receive_state, send_state
 from mover_plugin.runtime.heartbeat import Heartbeat
@@ -196,8 +197,7 @@ class ResilienceRuntime:
         try:
             self._receive_state(transfer)
         except Exception as error:  # noqa: BLE001 - filtered just below
-            if not is_peer_failure(error):
-                raise
+            self._raise_unless_lost_peer(error)
             logger.warning("rank %d: the process handing the rank over was lost (%s); exiting",
                            self.rank, str(error)[:120])
             self.finish()
@@ -250,8 +250,7 @@ class ResilienceRuntime:
                     self.migration.switch_at_boundary(self._last_step_s)
                 return result, iteration + 1
             except Exception as error:  # noqa: BLE001 - filtered just below
-                if not is_peer_failure(error):
-                    raise
+                self._raise_unless_lost_peer(error)
                 self._leave_step(error)
             continuation = self._switch_generation(snapshot)
             if continuation.rolled_back or continuation.iteration != iteration:
@@ -263,10 +262,22 @@ class ResilienceRuntime:
         two steps (Megatron-LM's logging): the same switch as inside a step, from a completed
         iteration (nothing is redone). Re-raises an error that is not a lost peer; returns
         the iteration all ranks are at."""
-        if not is_peer_failure(error):
-            raise error
+        self._raise_unless_lost_peer(error)
         self._leave_step(error)
         return self._switch_generation({}).iteration
+
+    def _raise_unless_lost_peer(self, error: BaseException) -> None:
+        """Returns if ``error`` comes from a lost peer, as the controller's alarm tells
+        (:func:`~mover_plugin.runtime.exits.is_lost_peer`); otherwise reports it to the
+        controller as an error of this rank's own, so that the job follows its policy instead
+        of replacing the rank, and re-raises it."""
+        grace_s = self.settings.failure_timeout_s
+        if is_lost_peer(error, grace_s):
+            return
+        logger.error("rank %d: %s: no alarm within %.1f s, so not a lost peer; the error is "
+                     "the training code's own", self.rank, type(error).__name__, grace_s)
+        self.control.post("worker_error", rank=self.rank, **describe_error(error))
+        raise error
 
     def _wait_for_standbys(self) -> None:
         """Training starts protected: its first step waits until the standbys are ready
