@@ -13,7 +13,8 @@ Modules: ``hostfile`` (host list parsing), ``slurm`` (the hosts from Slurm's var
 (flags and their checks), ``summary`` (interruption timing and the JSON summary), ``eventlog``,
 ``agent``, ``controller`` and its units (``context``: the state they share; ``attempts``,
 ``timing``, ``recovery``, ``migration``, ``operator_requests``; ``step_times``: the step ends
-the agents batch and the controller logs), ``slow_ranks`` (the slow-rank policy's detector), ``preflight`` (checking the script's own flags before any worker starts),
+the agents batch and the controller logs; ``refill``: the standby pool brought back to its
+target), ``slow_ranks`` (the slow-rank policy's detector), ``preflight`` (checking the script's own flags before any worker starts),
 ``cli`` (the ``mover-launch`` console script), ``jobs`` (the jobs running on this host) and
 ``jobctl`` (``mover status``, ``mover migrate`` and their Python API; ``mover report``, drawn by
 ``report``). What passes between the

@@ -1,7 +1,7 @@
 """The per-host agent: starts the workers of one host, watches them, obeys the controller.
 
 The agent reads the controller's commands (``start``, ``stop``, ``promote``, ``generation``,
-``notice``, ``cancel_promotion``, ``finish``, ``abort``) from the store and posts what it sees
+``notice``, ``cancel_promotion``, ``discard_leaver``, ``refill``, ``finish``, ``abort``) from the store and posts what it sees
 (``joined``, ``started``, ``ready``, ``first_step``, ``worker_exit``, ``leaver_exit``, ``injected``,
 ``migration_due``, ``hung``, ``standby_ready``, ``standby_exit``, ``stopped``, ``node_done``,
 ``node_busy``; ``steps``: global rank 0's step ends, batched by
@@ -202,6 +202,8 @@ class Agent:
         self._busy: dict[int, dict[int, float]] = {}
         """Busy times by step, then rank, until every local rank reported the step."""
         self._step_times = StepBatch(self._post)
+        self._store_port = 0
+        """The current attempt's rendezvous store."""
 
     def run(self) -> int:
         """Serves the controller until it says ``finish`` (returns 0) or ``abort`` (1)."""
@@ -240,6 +242,8 @@ class Agent:
             self._cancel_promotion(command["standby"], command["rank"])
         elif op == "discard_leaver":
             self._discard_leaver(command["rank"])
+        elif op == "refill":
+            self._refill(command)
         elif op == "generation":
             self._generation = command["generation"]
             for worker in self._workers:
@@ -257,7 +261,7 @@ class Agent:
 
     def _start_workers(self, attempt: int, store_port: int) -> None:
         self._stop_workers()
-        self._attempt = attempt
+        self._attempt, self._store_port = attempt, store_port
         for local_rank, rank in enumerate(self.config.node.ranks):
             self._spawn(rank, local_rank, store_port)
         for index in range(self.config.standbys):
@@ -269,6 +273,14 @@ class Agent:
             # No rank here until one of its standbys is promoted (then ``node_busy``).
             self._idle_reported = True
             self._post("node_done", steps_completed=None, workers=[])
+
+    def _refill(self, command: dict[str, Any]) -> None:
+        """Starts a standby the controller asked of this host to refill the pool."""
+        if command["node"] != self.config.node.node_rank or command["attempt"] != self._attempt:
+            return
+        self._spawn(None, None, self._store_port, standby=command["standby"])
+        logger.info("node %d: started standby %s to refill the pool", self.config.node.node_rank,
+                    command["standby"])
 
     def _spawn(self, rank: Optional[int], local_rank: Optional[int], store_port: int,
                standby: Optional[str] = None) -> None:

@@ -3,7 +3,7 @@
 Each start of the workers is an *attempt*. Each attempt begins a new generation and
 rendezvouses on a fresh store the controller hosts, so keys of a failed attempt can never
 confuse the next. The agents start each host's standby processes with its workers; this unit
-keeps the pool of the ready ones, and once every standby of the attempt is ready (at once
+keeps the pool of the ready ones (and tells its listeners of each standby ready or lost), and once every standby of the attempt is ready (at once
 without standbys) tells the workers they may train and arms the injected failures. When every
 node reports its workers done, the job ends and the summary gets the workers' statistics.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import statistics
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 import torch.distributed as dist
 
@@ -23,10 +23,23 @@ from mover_plugin.launch.context import AttemptState, Context, Event, EventHandl
 logger = logging.getLogger(__name__)
 
 
+StandbyListener = Callable[[str], None]
+"""Called with a standby's id."""
+
+
 class Attempts(Unit):
     def __init__(self, ctx: Context) -> None:
         self._ctx = ctx
         self._armed = False
+        self._on_ready: list[StandbyListener] = []
+        self._on_lost: list[StandbyListener] = []
+
+    def when_standby_ready(self, listener: StandbyListener) -> None:
+        self._on_ready.append(listener)
+
+    def when_standby_lost(self, listener: StandbyListener) -> None:
+        """``listener`` hears of every standby that exited while not holding a rank."""
+        self._on_lost.append(listener)
 
     def handlers(self) -> Mapping[str, EventHandler]:
         return {"standby_ready": self._on_standby_ready,
@@ -69,6 +82,8 @@ class Attempts(Unit):
         pool.add(event["standby"], event["node"])
         self._ctx.record("standby_ready", "pool", when=event["time"],
                          standby=event["standby"], pool=len(pool))
+        for listener in self._on_ready:
+            listener(event["standby"])
         self._arm_when_provisioned()
         return None
 
@@ -92,6 +107,8 @@ class Attempts(Unit):
                          how=event["how"], pool=len(pool), was_ready=removed)
         logger.warning("standby %s exited (%s); %d standby(s) left", event["standby"],
                        event["how"], len(pool))
+        for listener in self._on_lost:
+            listener(event["standby"])
         return None
 
     # -- the end of the job -----------------------------------------------------------------

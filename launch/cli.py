@@ -121,6 +121,11 @@ def _report(summary: RunSummary, config: LaunchConfig) -> None:
         logger.info("interruption: %s of rank %d at step %d (%s): %s; downtime %s%s",
                     item.kind, item.rank, item.step, item.how, phases,
                     "n/a" if downtime is None else f"{downtime:.3f} s", rollback)
+    for refill in summary.refills:
+        outcome = (f"ready after {refill.ready_at - refill.requested_at:.1f} s"
+                   if refill.ready_at is not None else
+                   "lost before it was ready" if refill.lost_at is not None else "not ready")
+        logger.info("refill: standby %s on node %d, %s", refill.standby, refill.node, outcome)
 
 
 if __name__ == "__main__":

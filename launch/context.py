@@ -90,6 +90,9 @@ class AttemptState:
     """Per node whose workers all finished: the steps they completed."""
     finished_workers: list[Event] = field(default_factory=list)
     pool: StandbyPool = field(default_factory=StandbyPool)
+    refilling: dict[str, int] = field(default_factory=dict)
+    """Standbys started to refill the pool that are not ready yet, with their node."""
+    refills_started: int = 0
 
 
 @dataclass

@@ -47,6 +47,7 @@ from mover_plugin.launch.eventlog import EventLog
 from mover_plugin.launch.migration import Migrations
 from mover_plugin.launch.operator_requests import OperatorRequests
 from mover_plugin.launch.recovery import CrashRecovery
+from mover_plugin.launch.refill import StandbyRefill
 from mover_plugin.launch.step_times import StepTimeline
 from mover_plugin.launch.summary import RunSummary
 from mover_plugin.launch.timing import InterruptionTiming
@@ -103,12 +104,13 @@ class Controller:
         self._migrations = Migrations(self._ctx, self._recovery)
         self._operator = OperatorRequests(self._ctx, self._migrations)
         self._step_timeline = StepTimeline(self._ctx)
+        self._refill = StandbyRefill(self._ctx)
         self._wire()
         self._handler_of, self._any_attempt = handler_table(self._units())
 
     def _units(self) -> list[Unit]:
         return [self._attempts, self._timing, self._recovery, self._migrations, self._operator,
-                self._step_timeline]
+                self._step_timeline, self._refill]
 
     def _wire(self) -> None:
         # A failure during a migration is the migration's to judge first.
@@ -117,6 +119,11 @@ class Controller:
         # migration that waited may start.
         self._timing.when_resumed(self._migrations.on_resumed)
         self._timing.when_resumed(self._operator.on_resumed)
+        # The pool refills once training runs again after a recovery in place.
+        self._recovery.when_slots_freed(self._refill.freed)
+        self._timing.when_resumed(self._refill.on_resumed)
+        self._attempts.when_standby_ready(self._refill.standby_ready)
+        self._attempts.when_standby_lost(self._refill.standby_lost)
 
     def run(self) -> int:
         """Runs the job to its end; returns the launcher's exit code (0: every worker exited 0)."""

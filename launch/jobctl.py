@@ -187,7 +187,10 @@ def _print_status(status: dict[str, Any], *, as_json: bool) -> None:
     for rank, member in sorted(status["membership"].items(), key=lambda kv: int(kv[0])):
         print(f"  rank {rank}: {member['process']} on node {member['node']}")
     standbys = ", ".join(f"{s} (node {n})" for s, n in status["standbys"].items()) or "none"
-    print(f"standbys ready: {standbys}")
+    print(f"standbys ready: {standbys} (target {status['standby_target']})")
+    if status["refilling"]:
+        print("standbys starting to refill the pool: " + ", ".join(
+            f"{s} (node {n})" for s, n in status["refilling"].items()))
     for item in status["migrations"]:
         print(f"migration in progress: ranks {item['ranks']} ({item['state']})")
     for event in status["recent_events"]:

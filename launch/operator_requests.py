@@ -80,6 +80,8 @@ class OperatorRequests(Unit):
                                        "node": ctx.job.node_of_rank.get(rank)}
                            for rank, process in sorted(ctx.job.membership.members.items())},
             "standbys": dict(ctx.attempt.pool.hosts),
+            "standby_target": ctx.config.standby_target,
+            "refilling": dict(ctx.attempt.refilling),
             "migrations": self._migrations.status(),
             "recent_events": ctx.log.recent(RECENT_EVENTS),
         }

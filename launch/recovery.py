@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Literal, Mapping, Optional, Protocol, Union
+from typing import Callable, Literal, Mapping, Optional, Protocol, Union
 
 from mover_plugin.generations import Fallback, Replacement, plan_recovery
 from mover_plugin.launch.attempts import Attempts
@@ -59,6 +59,12 @@ class CrashRecovery(Unit):
         self._coordinators: list[Coordinator] = []
         self._own_errors: dict[tuple[int, int], str] = {}
         """(attempt, rank) -> the error a worker reported as its own before it exited."""
+        self._slots_freed: list[Callable[[list[int]], None]] = []
+
+    def when_slots_freed(self, listener: Callable[[list[int]], None]) -> None:
+        """``listener`` hears, at each recovery in place, the node of each lost rank: a slot
+        there is free, while a standby became a worker."""
+        self._slots_freed.append(listener)
 
     def handlers(self) -> Mapping[str, EventHandler]:
         return {"worker_exit": self._on_worker_exit, "stopped": self._on_stopped,
@@ -106,6 +112,7 @@ class CrashRecovery(Unit):
 
     def _switch_generation(self, plan: list[Replacement], interruption: Interruption) -> None:
         ctx = self._ctx
+        freed = [ctx.job.node_of_rank[item.rank] for item in plan]
         ctx.job.membership = ctx.job.membership.next_generation(plan)
         old = ctx.plan_generation({"world_size": ctx.config.world_size,
                                    "replacements": [vars(item) for item in plan]})
@@ -122,6 +129,8 @@ class CrashRecovery(Unit):
         logger.info("generation %d: %s", ctx.job.generation,
                     ", ".join(f"rank {i.rank} <- standby {i.standby} (twin {i.twin})"
                               for i in plan))
+        for listener in self._slots_freed:
+            listener(freed)
 
     def _restart(self, interruption: Interruption) -> Optional[int]:
         """Stops every worker of the attempt (they start again once all are stopped)."""

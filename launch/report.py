@@ -268,8 +268,9 @@ def _draw_phases(run: Run, axis: Any) -> None:
 def _phase_segments(item: dict[str, Any]) -> list[tuple[float, float, str]]:
     """(begin, end, phase) for each phase of an interruption: the time from the phase before
     it to this one."""
-    times = sorted((t, p) for p, t in item.get("times", {}).items() if p in PHASES)
-    return [(begin, end, phase) for (begin, _), (end, phase) in zip(times, times[1:])]
+    times = sorted(((t, PHASES.index(p), p) for p, t in item.get("times", {}).items()
+                    if p in PHASES))
+    return [(begin, end, phase) for (begin, _, _), (end, _, phase) in zip(times, times[1:])]
 
 
 def _title(item: dict[str, Any]) -> str:

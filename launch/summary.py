@@ -94,6 +94,18 @@ class Interruption:
 
 
 @dataclass
+class Refill:
+    """A standby started to bring the pool back to its target after a promotion."""
+
+    standby: str
+    node: int
+    requested_at: float
+    ready_at: Optional[float] = None
+    lost_at: Optional[float] = None
+    """When it exited before it was ready."""
+
+
+@dataclass
 class RunSummary:
     policy: str
     world_size: int
@@ -112,6 +124,7 @@ class RunSummary:
     first step end to its last; last attempt): unlike the step time, not stretched by waiting
     for a core or for the other ranks."""
     interruptions: list[Interruption] = field(default_factory=list)
+    refills: list[Refill] = field(default_factory=list)
     rejected_events: int = 0
     """Events the controller did not act on because they were unknown or malformed (each is
     in the event log as ``event_rejected``, with the reason)."""

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
+import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator, Optional
 
 from mover_plugin.testing import CommandResult, run_command
 
@@ -36,3 +41,50 @@ def losses(result: CommandResult) -> dict[int, float]:
 
 def read_events(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+TAG_ENV = "MOVER_TEST_TAG"
+"""Set by a test in a job's environment; every process of that job inherits it."""
+
+
+def tagged_processes(tag: str) -> dict[int, dict[str, str]]:
+    """pid -> environment of every process started with ``MOVER_TEST_TAG=tag``."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            raw = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        env = dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0")
+                   if "=" in item)
+        if env.get(TAG_ENV) == tag:
+            found[int(entry.name)] = env
+    return found
+
+
+def worker_pid(rank: int, tag: str, standby: Optional[str] = None) -> Optional[int]:
+    """The pid of the process of the tagged job that was started for ``rank`` (a worker,
+    without MOVER_STANDBY_ID), or with ``standby`` the standby of that id."""
+    for pid, env in tagged_processes(tag).items():
+        if standby is not None and env.get("MOVER_STANDBY_ID") == standby:
+            return pid
+        if standby is None and env.get("RANK") == str(rank) and "MOVER_STANDBY_ID" not in env:
+            return pid
+    return None
+
+
+@contextmanager
+def background_job(command: list[str], tag: Optional[str] = None) -> Iterator[subprocess.Popen]:
+    """Runs ``command`` (output merged into stdout) in its own session while the test works,
+    tagged with ``tag``; kills the whole session if it is still running at the end."""
+    env = {**os.environ, TAG_ENV: tag} if tag else None
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, start_new_session=True, env=env)
+    try:
+        yield process
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()

@@ -200,6 +200,31 @@ def test_a_crash_with_a_ready_standby_switches_generation(job):
     assert job.controller.summary.restarts == 0
 
 
+def test_the_pool_refills_on_the_lost_ranks_host_once_training_resumed(job):
+    job.provision()
+    job.commands()
+    job.exit(3)  # node 1's rank; the standby of node 0 is taken (the other host's first)
+    job.poll()
+    promoted = job.json(plan_key(1))["replacements"][0]["standby"]
+    job.commands()
+    job.generation = 1
+    job.all_ranks("switched", when=T0 + 7.0)
+    assert job.poll() is None
+    assert [c for c in job.commands() if c["op"] == "refill"] == []  # not before resuming
+    job.first_steps(when=T0 + 8.0)
+    job.poll()
+    (refill,) = [c for c in job.commands() if c["op"] == "refill"]
+    assert refill == {"op": "refill", "attempt": 0, "node": 1, "standby": "a0.n1.r0"}
+    assert job.request("status", "s1")["refilling"] == {"a0.n1.r0": 1}
+    job.agent(1, "standby_ready", standby="a0.n1.r0", time=T0 + 20.0)
+    job.poll()
+    assert job.request("status", "s2")["standbys"] == {
+        s: n for s, n in {"a0.n0.s0": 0, "a0.n1.s0": 1, "a0.n1.r0": 1}.items() if s != promoted}
+    (item,) = job.controller.summary.to_dict()["refills"]
+    assert item["standby"] == "a0.n1.r0" and item["node"] == 1 and item["ready_at"] is not None
+    assert [r["pool"] for r in job.log("standby_refill")] == [1]
+
+
 def test_a_hung_rank_is_recovered_as_a_hang(job):
     job.provision()
     job.agent(0, "hung", rank=1, standby=None, silent_s=12.5)
@@ -375,6 +400,9 @@ def test_a_planned_migration_runs_through_both_phases(job):
     assert job.key(request_done_key("m1")) is None
     job.first_steps(when=T0 + 3.4)
     job.poll()
+    # The slot the migration freed is on the leaver's host, which may be drained: no refill.
+    assert [c for c in job.commands() if c["op"] == "refill"] == []
+    assert job.controller.summary.refills == []
     done = job.json(request_done_key("m1"))
     # first step after (T0 + 3.43) - the last boundary (T0 + 2.3) - its step (1.0)
     assert done == {"ok": True, "generation": 1, "downtime_s": pytest.approx(0.13)}

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from gpt_jobs import EXAMPLE, LAUNCH, MODEL, digest, read_events
+from gpt_jobs import EXAMPLE, LAUNCH, MODEL, TAG_ENV, digest, read_events, worker_pid
 from mover_plugin.errors import ConfigError
 from mover_plugin.launch.jobctl import JobClient, RequestRejected
 from mover_plugin.testing import run_command
@@ -320,22 +320,6 @@ def _finish(job: subprocess.Popen) -> None:
         job.wait()
 
 
-def _worker_pid(rank: int, tag: str) -> int | None:
-    """The pid of the worker started for ``rank`` by a launcher run with MOVER_TEST_TAG=tag
-    (not a standby, which has MOVER_STANDBY_ID)."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            environ = (entry / "environ").read_bytes()
-        except OSError:
-            continue
-        if (f"MOVER_TEST_TAG={tag}\0".encode() in environ and f"\0RANK={rank}\0".encode()
-                in environ and b"MOVER_STANDBY_ID=" not in environ):
-            return int(entry.name)
-    return None
-
-
 def _throttle_once_training(events_path: Path, rank: int, tag: str, done: "threading.Event",
                             stopped_s: float = 0.08, running_s: float = 0.02) -> None:
     """Makes ``rank``'s process a straggler once every rank is ready: it runs a fifth of the
@@ -343,7 +327,7 @@ def _throttle_once_training(events_path: Path, rank: int, tag: str, done: "threa
     while not done.is_set() and not (
             events_path.exists() and events_path.read_text().count('"worker_ready"') >= 4):
         time.sleep(0.05)
-    pid = _worker_pid(rank, tag)
+    pid = worker_pid(rank, tag)
     if pid is None:
         return
     try:
@@ -364,7 +348,7 @@ def test_a_straggler_is_found_by_its_busy_time_and_migrated_exactly(tmp_path, mo
     wall-clock step time then grows alike, but its busy time (the step minus its waits
     for peers) stands out, and the slow-rank policy moves it to a standby."""
     tag = str(tmp_path)
-    monkeypatch.setenv("MOVER_TEST_TAG", tag)
+    monkeypatch.setenv(TAG_ENV, tag)
     summary_path, events_path = tmp_path / "summary.json", tmp_path / "events.jsonl"
     launcher = ["--policy", "resilient", "--standbys", "1", "--summary", str(summary_path),
                 "--event-log", str(events_path), "--stop-grace-s", "2",

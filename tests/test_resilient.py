@@ -9,14 +9,14 @@ only new process) taking the lost rank's place.
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from gpt_jobs import EXAMPLE, LAUNCH, MODEL, digest, pretrain, read_events
+from gpt_jobs import (EXAMPLE, LAUNCH, MODEL, background_job, digest, pretrain, read_events,
+                      worker_pid)
 from mover_plugin.testing import run_command
 
 pytest.importorskip("megatron.core")
@@ -150,35 +150,15 @@ def test_no_twin_falls_back_to_the_restart_baseline(tmp_path, reference_tp2_pp2)
     assert "data-parallel size is 1" in fallback["reason"]
 
 
-def _standby_pids():
-    pids = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and b"MOVER_STANDBY_ID=" in (entry / "environ").read_bytes():
-                pids.append(int(entry.name))
-        except OSError:
-            continue
-    return pids
-
-
 def test_a_standby_dying_while_idle_only_shrinks_the_pool(tmp_path, reference_pp2):
     events_path = tmp_path / "events.jsonl"
     command = [*LAUNCH, "--standalone", "--nproc-per-node", "4", "--policy", "resilient",
                "--standbys", "1", "--event-log", str(events_path), EXAMPLE, *MODEL, *PP2]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and not (
-                events_path.exists() and "standby_ready" in events_path.read_text()):
-            time.sleep(0.2)
-        (standby,) = _standby_pids()
-        os.kill(standby, signal.SIGKILL)
+    with background_job(command, tag=tmp_path.name) as process:
+        _wait_for(events_path, lambda es: any(e["event"] == "standby_ready" for e in es),
+                  process)
+        os.kill(worker_pid(0, tmp_path.name, standby="a0.n0.s0"), signal.SIGKILL)
         output, _ = process.communicate(timeout=240)
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
     assert process.returncode == 0, output[-4000:]
     assert f"PARAMS_DIGEST {digest(reference_pp2)}" in output
     events = read_events(events_path)
@@ -262,3 +242,67 @@ def test_an_error_of_the_training_code_ends_the_job_with_its_traceback(tmp_path)
     assert summary["exit_code"] == 1 and summary["restarts"] == 0
     (interruption,) = summary["interruptions"]
     assert interruption["rank"] == 1 and interruption["recovery"] == "restart"
+
+
+REFILL_STEPS = 480
+
+
+def _holder_pid(events, rank, tag):
+    """The pid of the process that holds ``rank`` now in the tagged job: the standby last
+    promoted to it, or the worker started with it."""
+    promoted = [e["standby"] for e in events if e["event"] == "promote" and e["rank"] == rank]
+    pid = worker_pid(rank, tag, standby=promoted[-1] if promoted else None)
+    assert pid is not None, f"no process holds rank {rank}"
+    return pid
+
+
+def _wait_for(events_path, done, process, timeout_s=240):
+    """The event log once ``done(records)`` holds (the job must still run meanwhile)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        events = read_events(events_path) if events_path.exists() else []
+        if done(events):
+            return events
+        assert process.poll() is None, "the job ended first"
+        time.sleep(0.1)
+    raise AssertionError("timed out")
+
+
+def test_one_standby_per_host_survives_three_failures_in_a_row_on_a_refilling_pool(tmp_path):
+    """--standbys 1: after each recovery the host whose worker was lost starts a new standby;
+    each next SIGKILL (sent by the test once the refill is ready) is recovered in place too."""
+    reference = pretrain("--pipeline-model-parallel-size", "2", "--train-iters",
+                         str(REFILL_STEPS))
+    assert reference.returncode == 0, reference.output[-4000:]
+    summary_path, events_path = tmp_path / "summary.json", tmp_path / "events.jsonl"
+    command = [*LAUNCH, "--standalone", "--nproc-per-node", "4", "--policy", "resilient",
+               "--standbys", "1", "--summary", str(summary_path), "--event-log",
+               str(events_path), "--stop-grace-s", "2", EXAMPLE, *MODEL,
+               "--pipeline-model-parallel-size", "2", "--train-iters", str(REFILL_STEPS),
+               "--resilient"]
+    with background_job(command, tag=tmp_path.name) as process:
+        # training, with its standby ready
+        events = _wait_for(events_path, lambda es: any(e["event"] == "steps" for e in es)
+                           and any(e["event"] == "standby_ready" for e in es), process)
+        for number, rank in enumerate((3, 1, 3)):
+            os.kill(_holder_pid(events, rank, tmp_path.name), signal.SIGKILL)
+            # recovered in place, and (but after the last) the refill it started is ready
+            refills_ready = min(number + 1, 2)
+            events = _wait_for(events_path, lambda es: sum(
+                e["event"] == "resumed" for e in es) == number + 1 and sum(
+                e["event"] == "standby_ready" and ".r" in e["standby"] for e in es)
+                >= refills_ready, process)
+        output, _ = process.communicate(timeout=300)
+    assert process.returncode == 0, output[-4000:]
+    assert f"PARAMS_DIGEST {digest(reference)}" in output
+    summary = json.loads(summary_path.read_text())
+    assert [i["rank"] for i in summary["interruptions"]] == [3, 1, 3]
+    assert [i["recovery"] for i in summary["interruptions"]] == ["standby"] * 3
+    assert summary["restarts"] == 0
+    events = read_events(events_path)
+    assert not [e for e in events if e["event"] in ("fallback", "restart")]
+    assert [e["standby"] for e in events if e["event"] == "promote"] == [
+        "a0.n0.s0", "a0.n0.r0", "a0.n0.r1"]
+    refills = summary["refills"]
+    assert [r["standby"] for r in refills] == ["a0.n0.r0", "a0.n0.r1", "a0.n0.r2"]
+    assert all(r["ready_at"] > r["requested_at"] for r in refills[:2])

@@ -1,0 +1,80 @@
+"""A standby pool that refills: the controller's unit that keeps the standby count at target.
+
+The standby counts (``--standbys`` per worker host, one per slot of a spare host) are targets,
+not a one-off supply. A crash recovered in place frees the lost worker's slot on its host
+while a standby (on that host or another) becomes a worker: once training runs again after the
+interruption — so that the new process does not compete with the recovery for the CPU — the
+controller asks the agent of the host with the freed slot to start one standby there
+(``refill`` command, with the standby's id), as long as the pool, counting the standbys already
+starting, is below its target. The new standby joins the pool when it reports ready, like one
+started with the attempt; the run summary records each refill (when it was asked for, when it
+was ready, or that it was lost before), and the event log has ``standby_refill``.
+
+A planned migration refills nothing: the slot it frees is on the host being drained (or on the
+rank's slow host). A restart starts every standby afresh, so refills in flight are forgotten.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Mapping
+
+from mover_plugin.launch.context import Context, EventHandler, Unit
+from mover_plugin.launch.summary import Interruption, Refill
+
+logger = logging.getLogger(__name__)
+
+
+class StandbyRefill(Unit):
+    def __init__(self, ctx: Context) -> None:
+        self._ctx = ctx
+        self._rooms: list[int] = []
+        """Nodes with a slot freed by a crash, waiting for training to resume."""
+        self._attempt = -1
+
+    def handlers(self) -> Mapping[str, EventHandler]:
+        return {}  # the pool's events are the attempts unit's; it tells this one
+
+    def freed(self, nodes: list[int]) -> None:
+        """A crash recovery freed one slot on each of ``nodes`` (one entry per lost rank)."""
+        self._forget_other_attempts()
+        self._rooms.extend(nodes)
+
+    def on_resumed(self, item: Interruption) -> None:
+        """Training runs again: start the standbys that bring the pool back to its target."""
+        self._forget_other_attempts()
+        ctx = self._ctx
+        attempt = ctx.attempt
+        while self._rooms and len(attempt.pool) + len(attempt.refilling) < \
+                ctx.config.standby_target:
+            node = self._rooms.pop(0)
+            standby = f"a{attempt.number}.n{node}.r{attempt.refills_started}"
+            attempt.refills_started += 1
+            attempt.refilling[standby] = node
+            now = time.time()
+            ctx.summary.refills.append(Refill(standby=standby, node=node, requested_at=now))
+            ctx.post({"op": "refill", "attempt": attempt.number, "node": node,
+                      "standby": standby})
+            ctx.record("standby_refill", "pool", when=now, standby=standby, node=node,
+                       pool=len(attempt.pool))
+            logger.info("refilling the standby pool: standby %s on node %d", standby, node)
+        self._rooms.clear()
+
+    def standby_ready(self, standby: str) -> None:
+        """A standby reported ready; if it is a refill, the refill is done."""
+        if self._ctx.attempt.refilling.pop(standby, None) is not None:
+            self._refill(standby).ready_at = time.time()
+
+    def standby_lost(self, standby: str) -> None:
+        """A standby exited; a refill that never got ready is over."""
+        if self._ctx.attempt.refilling.pop(standby, None) is not None:
+            self._refill(standby).lost_at = time.time()
+
+    def _refill(self, standby: str) -> Refill:
+        return next(r for r in reversed(self._ctx.summary.refills) if r.standby == standby)
+
+    def _forget_other_attempts(self) -> None:
+        if self._attempt != self._ctx.attempt.number:
+            self._attempt = self._ctx.attempt.number
+            self._rooms.clear()
