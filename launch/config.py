@@ -125,6 +125,9 @@ class LaunchConfig:
     """... for this many steps in a row."""
     stop_grace_s: float = 5.0
     """Seconds between SIGTERM and SIGKILL when the launcher stops workers."""
+    refill_delay_s: float = 30.0
+    """Seconds after training resumed from a crash before a standby is started to refill the
+    pool (resilient policy)."""
     join_timeout_s: float = 300.0
     """Seconds the controller waits for every host's agent to join."""
     preflight: bool = True
@@ -163,11 +166,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add = parser.add_argument
     add("--nproc-per-node", "--nproc_per_node", "--num_gpus", "--num_accelerators",
-        dest="nproc_per_node", type=_positive_int, default=None,
+        dest="nproc_per_node", type=positive_int, default=None,
         help="Workers per host (default 1; with --hostfile, its slots). --num_gpus and "
         "--num_accelerators are the deepspeed launcher's names for it.")
-    add("--nnodes", type=_positive_int, default=None, help="Number of hosts (default 1).")
-    add("--node-rank", "--node_rank", dest="node_rank", type=_non_negative_int, default=None,
+    add("--nnodes", type=positive_int, default=None, help="Number of hosts (default 1).")
+    add("--node-rank", "--node_rank", dest="node_rank", type=non_negative_int, default=None,
         help="This host's index among the hosts (default 0).")
     add("--master-addr", "--master_addr", dest="master_addr", default=None,
         help="Address of the first host, where the controller runs (default 127.0.0.1; under "
@@ -190,16 +193,16 @@ def build_parser() -> argparse.ArgumentParser:
         "config with a \"resilience\" block); without a standby or a data-parallel twin it "
         "falls back to restart. Default: resilient when the script's --deepspeed_config has "
         "an enabled \"resilience\" block, else restart.")
-    add("--standbys", type=_non_negative_int, default=None,
+    add("--standbys", type=non_negative_int, default=None,
         help="Standby processes per worker host (resilient policy; default 1, or the DeepSpeed "
         "config's \"resilience.standbys\").")
-    add("--spare-hosts", dest="spare_hosts", type=_non_negative_int, default=0, metavar="K",
+    add("--spare-hosts", dest="spare_hosts", type=non_negative_int, default=0, metavar="K",
         help="The last K hosts of the job are spare hosts: each runs one standby per slot and "
         "no worker, and recovery and migration take their standbys first (resilient policy; "
         "a hostfile line ending with 'spare' marks one too).")
     add("--event-log", dest="event_log", default=None, metavar="PATH",
         help="Append the controller's events to PATH as JSON lines.")
-    add("--max-restarts", "--max_restarts", dest="max_restarts", type=_non_negative_int,
+    add("--max-restarts", "--max_restarts", dest="max_restarts", type=non_negative_int,
         default=3, help="How many times the restart policy may restart the workers (default 3).")
     add("--inject-failure", dest="inject_failure", action="append", default=[],
         type=_injection_argument, metavar="RANK:STEP[:SIGNAL]",
@@ -219,11 +222,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="F", help="Migrate a rank to a standby when its busy time per step (the step "
         "minus its waits for peers) stays above F times the median of all ranks (resilient "
         "policy; off by default).")
-    add("--slow-rank-steps", dest="slow_rank_steps", type=_positive_int, default=None,
+    add("--slow-rank-steps", dest="slow_rank_steps", type=positive_int, default=None,
         metavar="N", help="... for N steps in a row (default 5).")
     add("--summary", default=None, metavar="PATH", help="Write a JSON run summary to PATH.")
     add("--stop-grace-s", type=_positive_float, default=5.0,
         help="Seconds between SIGTERM and SIGKILL when stopping workers (default 5).")
+    add("--refill-delay-s", type=_non_negative_float, default=30.0,
+        help="Seconds after training resumed from a crash before the lost rank's host starts "
+        "a standby to refill the pool (default 30; resilient policy).")
     add("--join-timeout-s", type=_positive_float, default=300.0,
         help="Seconds to wait for every host's agent to join (default 300).")
     add("--no-preflight", dest="preflight", action="store_false",
@@ -290,6 +296,7 @@ def parse_launch_args(argv: Sequence[str], python: str,
         slow_rank_factor=args.slow_rank_factor,
         slow_rank_steps=args.slow_rank_steps or 5,
         stop_grace_s=args.stop_grace_s,
+        refill_delay_s=args.refill_delay_s,
         join_timeout_s=args.join_timeout_s,
         preflight=args.preflight,
         script_path=None if args.module else args.script,
@@ -497,13 +504,13 @@ class _ErrorRaisingParser(argparse.ArgumentParser):
         raise ConfigError(message)
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
     return int(text)
 
 
-def _non_negative_int(text: str) -> int:
+def non_negative_int(text: str) -> int:
     if not text.isdigit():
         raise argparse.ArgumentTypeError(f"{text!r} is not a non-negative integer")
     return int(text)
@@ -534,6 +541,16 @@ def _positive_float(text: str) -> float:
         value = -1.0
     if not value > 0:
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds of at least 0")
     return value
 
 

@@ -152,6 +152,7 @@ class Controller:
             self._last_requests_poll = time.monotonic()
             for request in self._requests.poll():
                 self._operator.on_request(request)
+        self._refill.start_due()
         self._check_local_agents()
         return None
 

@@ -9,6 +9,7 @@ under the request's own key. The ``mover`` console script is a thin layer over i
     mover migrate --host node-b       # move every rank of host node-b
     mover migrate --rank 3 --no-wait  # return once the controller accepted the request
     mover report RUN [-o FILE.png]    # a finished (or running) run's interruptions and timeline
+    mover templates --hosts 1024 --pipeline-size 16 --num-layers 96 --global-batch-size 4096
 
 ``status`` and ``migrate`` find the job from ``--master-addr``/``--master-port`` like ``mover-launch``, and with
 neither given, the one job running on this host (:mod:`mover_plugin.launch.jobs`). A request
@@ -32,6 +33,7 @@ import torch.distributed as dist
 
 from mover_plugin.errors import ConfigError, MoverError
 from mover_plugin.launch.config import port_number
+from mover_plugin.launch import plans
 from mover_plugin.launch.jobs import find_job
 from mover_plugin.mailbox import Mailbox
 from mover_plugin.contract import REQUESTS_MAILBOX, request_done_key, request_reply_key
@@ -106,6 +108,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "report":
         return _report(args.run, args.output)
+    if args.command == "templates":
+        return _templates(args)
     try:
         client = JobClient(args.master_addr, args.master_port)
         if args.command == "status":
@@ -156,7 +160,20 @@ def _parser() -> argparse.ArgumentParser:
                         "--summary and --event-log files")
     report.add_argument("-o", "--output", type=_png_path, metavar="FILE.png",
                         help="where the picture goes (default: report.png beside the summary)")
+    templates = commands.add_parser(
+        "templates", help="the pipeline templates and the plan for a number of hosts")
+    plans.add_arguments(templates)
     return parser
+
+
+def _templates(args: argparse.Namespace) -> int:
+    try:
+        result = plans.run(args)
+    except ConfigError as error:
+        print(f"mover templates: error: {error}", file=sys.stderr)
+        return 2
+    print(json.dumps(result) if args.json else plans.describe(result))
+    return 0
 
 
 def _report(run: Sequence[str], output: Optional[str]) -> int:

@@ -2,8 +2,9 @@
 
 The standby counts (``--standbys`` per worker host, one per slot of a spare host) are targets,
 not a one-off supply. A crash recovered in place frees the lost worker's slot on its host
-while a standby (on that host or another) becomes a worker: once training runs again after the
-interruption — so that the new process does not compete with the recovery for the CPU — the
+while a standby (on that host or another) becomes a worker: ``--refill-delay-s`` (default 30)
+after training runs again — so that the new process, which starts Python and imports the
+framework, competes neither with the recovery nor with the first steps after it — the
 controller asks the agent of the host with the freed slot to start one standby there
 (``refill`` command, with the standby's id), as long as the pool, counting the standbys already
 starting, is below its target. The new standby joins the pool when it reports ready, like one
@@ -31,6 +32,8 @@ class StandbyRefill(Unit):
         self._ctx = ctx
         self._rooms: list[int] = []
         """Nodes with a slot freed by a crash, waiting for training to resume."""
+        self._due: list[tuple[float, int]] = []
+        """(monotonic time, node) of the refills to start."""
         self._attempt = -1
 
     def handlers(self) -> Mapping[str, EventHandler]:
@@ -42,13 +45,26 @@ class StandbyRefill(Unit):
         self._rooms.extend(nodes)
 
     def on_resumed(self, item: Interruption) -> None:
-        """Training runs again: start the standbys that bring the pool back to its target."""
+        """Training runs again: the refills for the slots freed are due after the delay."""
+        self._forget_other_attempts()
+        due = time.monotonic() + self._ctx.config.refill_delay_s
+        self._due.extend((due, node) for node in self._rooms)
+        self._rooms.clear()
+        self.start_due()
+
+    def start_due(self) -> None:
+        """Starts the standbys due by now that bring the pool back to its target (the
+        controller calls this at every poll)."""
+        if not self._due or self._due[0][0] > time.monotonic():
+            return
         self._forget_other_attempts()
         ctx = self._ctx
         attempt = ctx.attempt
-        while self._rooms and len(attempt.pool) + len(attempt.refilling) < \
-                ctx.config.standby_target:
-            node = self._rooms.pop(0)
+        now_monotonic = time.monotonic()
+        while self._due and self._due[0][0] <= now_monotonic:
+            _, node = self._due.pop(0)
+            if len(attempt.pool) + len(attempt.refilling) >= ctx.config.standby_target:
+                continue
             standby = f"a{attempt.number}.n{node}.r{attempt.refills_started}"
             attempt.refills_started += 1
             attempt.refilling[standby] = node
@@ -59,7 +75,6 @@ class StandbyRefill(Unit):
             ctx.record("standby_refill", "pool", when=now, standby=standby, node=node,
                        pool=len(attempt.pool))
             logger.info("refilling the standby pool: standby %s on node %d", standby, node)
-        self._rooms.clear()
 
     def standby_ready(self, standby: str) -> None:
         """A standby reported ready; if it is a refill, the refill is done."""
@@ -78,3 +93,4 @@ class StandbyRefill(Unit):
         if self._attempt != self._ctx.attempt.number:
             self._attempt = self._ctx.attempt.number
             self._rooms.clear()
+            self._due.clear()

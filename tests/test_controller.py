@@ -200,7 +200,9 @@ def test_a_crash_with_a_ready_standby_switches_generation(job):
     assert job.controller.summary.restarts == 0
 
 
-def test_the_pool_refills_on_the_lost_ranks_host_once_training_resumed(job):
+@pytest.mark.parametrize("delay_s", [0.0, 3600.0])
+def test_the_pool_refills_on_the_lost_ranks_host_once_training_resumed(tmp_path, delay_s):
+    job = Job(tmp_path, refill_delay_s=delay_s)
     job.provision()
     job.commands()
     job.exit(3)  # node 1's rank; the standby of node 0 is taken (the other host's first)
@@ -213,6 +215,9 @@ def test_the_pool_refills_on_the_lost_ranks_host_once_training_resumed(job):
     assert [c for c in job.commands() if c["op"] == "refill"] == []  # not before resuming
     job.first_steps(when=T0 + 8.0)
     job.poll()
+    if delay_s:  # not before --refill-delay-s after resuming
+        assert [c for c in job.commands() if c["op"] == "refill"] == []
+        return
     (refill,) = [c for c in job.commands() if c["op"] == "refill"]
     assert refill == {"op": "refill", "attempt": 0, "node": 1, "standby": "a0.n1.r0"}
     assert job.request("status", "s1")["refilling"] == {"a0.n1.r0": 1}

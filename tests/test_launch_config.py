@@ -131,6 +131,7 @@ def test_injection_forms():
         (["--inject-failure", "1:0", "t.py"], "STEP must be 1 or more"),
         (["--inject-failure", "1:2:SIGNOPE", "t.py"], "unknown signal 'SIGNOPE'"),
         (["--nproc-per-node", "-2", "t.py"], "'-2' is not a positive integer"),
+        (["--refill-delay-s", "-1", "t.py"], "'-1' is not a number of seconds of at least 0"),
         (["--nnodes", "2", "--node-rank", "2", "t.py"], "--node-rank 2 does not exist"),
         (["--nnodes", "2", "--master-port", "0", "t.py"], "--master-port 0 (any free port)"),
         (["--nproc-per-node", "4", "--policy", "resilient", "--inject-migration", "5:2", "t.py"],

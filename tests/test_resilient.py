@@ -276,8 +276,8 @@ def test_one_standby_per_host_survives_three_failures_in_a_row_on_a_refilling_po
     assert reference.returncode == 0, reference.output[-4000:]
     summary_path, events_path = tmp_path / "summary.json", tmp_path / "events.jsonl"
     command = [*LAUNCH, "--standalone", "--nproc-per-node", "4", "--policy", "resilient",
-               "--standbys", "1", "--summary", str(summary_path), "--event-log",
-               str(events_path), "--stop-grace-s", "2", EXAMPLE, *MODEL,
+               "--standbys", "1", "--refill-delay-s", "0", "--summary", str(summary_path),
+               "--event-log", str(events_path), "--stop-grace-s", "2", EXAMPLE, *MODEL,
                "--pipeline-model-parallel-size", "2", "--train-iters", str(REFILL_STEPS),
                "--resilient"]
     with background_job(command, tag=tmp_path.name) as process:
