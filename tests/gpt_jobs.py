@@ -76,10 +76,12 @@ def worker_pid(rank: int, tag: str, standby: Optional[str] = None) -> Optional[i
 
 
 @contextmanager
-def background_job(command: list[str], tag: Optional[str] = None) -> Iterator[subprocess.Popen]:
-    """Runs ``command`` (output merged into stdout) in its own session while the test works,
-    tagged with ``tag``; kills the whole session if it is still running at the end."""
-    env = {**os.environ, TAG_ENV: tag} if tag else None
+def background_job(command: list[str], tag: Optional[str] = None,
+                   env: Optional[dict[str, str]] = None) -> Iterator[subprocess.Popen]:
+    """Runs ``command`` (output merged into stdout; ``env`` added to the environment) in its
+    own session while the test works, tagged with ``tag``; kills the whole session if it is
+    still running at the end."""
+    env = {**os.environ, **(env or {}), **({TAG_ENV: tag} if tag else {})}
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, start_new_session=True, env=env)
     try:

@@ -2,17 +2,22 @@
 
 Pure tests of the host-list syntax and of the launcher's settings, then a two-host job whose
 two ``mover-launch`` processes (one per "node", as ``srun`` starts them) get only the
-variables Slurm would set, no host flag.
+variables Slurm would set, no host flag; and such a job losing its controller.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+
+from gpt_jobs import EXAMPLE, MODEL, background_job, tagged_processes
 
 from mover_plugin.errors import ConfigError
 from mover_plugin.launch.config import parse_launch_args
@@ -107,3 +112,55 @@ def test_srun_style_launch_trains_on_two_hosts_with_only_slurm_variables(tmp_pat
     assert second.returncode == 0, second.output[-3000:]
     assert "agent of node 1 (127.0.0.2) joined" in first.output
     assert len(first.lines_starting("PARAMS_DIGEST")) == 1, first.output[-3000:]
+
+
+def test_a_lost_controller_stops_every_process_and_a_new_launch_resumes(tmp_path,
+                                                                         reference_pp2_40):
+    """Two srun-style hosts, a standby each; the controller's mover-launch (node 0, with its
+    agent) SIGKILLed while the job trains and checkpoints: node 1's agent stops its worker and
+    standby processes and its mover-launch exits saying why, no process of the job is left, the
+    last checkpoint is whole, and the same two commands started again resume from it to the
+    failure-free result."""
+    ckpt = tmp_path / "ckpt"
+    job_id = free_job_id()
+    command = [*LAUNCH, "--nproc-per-node", "2", "--policy", "resilient", "--standbys", "1",
+               "--stop-grace-s", "2", EXAMPLE, *MODEL, "--pipeline-model-parallel-size", "2",
+               "--train-iters", "40", "--resilient", "--save", str(ckpt), "--load", str(ckpt),
+               "--save-interval", "1"]
+    tracker = ckpt / "latest_checkpointed_iteration.txt"
+    tag = tmp_path.name
+    with background_job(command, tag, slurm_env("127.0.0.[1-2]", 1, job_id)) as node1, \
+            background_job(command, tag, slurm_env("127.0.0.[1-2]", 0, job_id)) as node0:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and not (
+                tracker.exists() and int(tracker.read_text() or 0) >= 5):
+            assert node0.poll() is None and node1.poll() is None
+            time.sleep(0.02)
+        os.kill(node0.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        output, _ = node1.communicate(timeout=60)
+        stopped_s = time.monotonic() - killed
+    assert node1.returncode == 1, output[-3000:]
+    assert "node 1 lost the controller" in output and "stopping its workers" in output
+    assert stopped_s < 60  # the collective timeout
+    assert _all_gone(tag), f"left: {sorted(tagged_processes(tag))}"
+    saved = int(tracker.read_text())
+    assert 5 <= saved < 40
+    assert sorted(p.name for p in (ckpt / f"iter_{saved:07d}").iterdir()) == [
+        "mp_rank_00_000", "mp_rank_00_001"]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        runs = [pool.submit(run_command, command, env=slurm_env("127.0.0.[1-2]", node, job_id),
+                            timeout_s=300) for node in (1, 0)]
+        second, first = (run.result() for run in runs)
+    assert first.returncode == 0 and second.returncode == 0, first.output[-3000:]
+    assert first.lines_starting("PARAMS_DIGEST") == reference_pp2_40.lines_starting(
+        "PARAMS_DIGEST")
+
+
+def _all_gone(tag: str, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while tagged_processes(tag):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
