@@ -12,12 +12,12 @@ The ``resilient`` policy replaces a lost rank with a standby inside the running 
 Modules: ``hostfile`` (host list parsing), ``slurm`` (the hosts from Slurm's variables), ``config``
 (flags and their checks), ``summary`` (interruption timing and the JSON summary), ``eventlog``,
 ``agent``, ``controller`` and its units (``context``: the state they share; ``attempts``,
-``timing``, ``recovery``, ``migration``, ``operator_requests``; ``step_times``: the step ends
-the agents batch and the controller logs; ``refill``: the standby pool brought back to its
-target), ``slow_ranks`` (the slow-rank policy's detector), ``preflight`` (checking the script's own flags before any worker starts),
-``cli`` (the ``mover-launch`` console script), ``jobs`` (the jobs running on this host) and
-``jobctl`` (``mover status``, ``mover migrate`` and their Python API; ``mover report``, drawn by
-``report``; ``mover templates``, printed by ``plans``). What passes between the
+``timing``, ``recovery``, ``migration``, ``operator_requests``; ``step_times``: the step ends the
+agents batch and the controller logs; ``refill``: the standby pool brought back to its target),
+``slow_ranks`` (the slow-rank policy's detector), ``preflight`` (checking the script's own flags
+before any worker starts), ``cli`` (the ``mover-launch`` console script), ``jobs`` (the jobs running
+on this host) and ``jobctl`` (``mover status``, ``mover migrate`` and their Python API; ``mover
+report``, drawn by ``report``; ``mover templates``, printed by ``plans``). What passes between the
 launcher and the processes it starts is in :mod:`mover_plugin.contract`, sent over
 :mod:`mover_plugin.mailbox`.
 """

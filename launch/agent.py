@@ -1,20 +1,20 @@
 """The per-host agent: starts the workers of one host, watches them, obeys the controller.
 
 The agent reads the controller's commands (``start``, ``stop``, ``promote``, ``generation``,
-``notice``, ``cancel_promotion``, ``discard_leaver``, ``refill``, ``finish``, ``abort``) from the store and posts what it sees
-(``joined``, ``started``, ``ready``, ``first_step``, ``worker_exit``, ``leaver_exit``, ``injected``,
-``migration_due``, ``hung``, ``standby_ready``, ``standby_exit``, ``stopped``, ``node_done``,
-``node_busy``; ``steps``: global rank 0's step ends, batched by
-:mod:`mover_plugin.launch.step_times`) as events. It notices a process's exit within one poll period (10 ms), reads each
-process's progress pipe to deliver injected failures at the step they name and to see heartbeats (a
-process silent past the timeout its heartbeats announce is killed, so that its exit starts the
-recovery), and stops every process when the controller goes away. Besides the workers it starts the
-host's standby processes (same command, its standby id set in the environment, no rank) and relabels
-one as a worker when promoted; in a migration the process it replaces keeps running as a *leaver*
-until it has handed its state over and exits. A spare host's agent starts only standbys (one per
-slot) and reports its host idle until one of them is promoted. Notices to a generation are written
-into every local rank's notice pipe (``mover_plugin.runtime.notices``); what passes between agent
-and worker is in :mod:`mover_plugin.contract`.
+``notice``, ``cancel_promotion``, ``discard_leaver``, ``refill``, ``finish``, ``abort``) from the
+store and posts what it sees (``joined``, ``started``, ``ready``, ``first_step``, ``worker_exit``,
+``leaver_exit``, ``injected``, ``migration_due``, ``hung``, ``standby_ready``, ``standby_exit``,
+``stopped``, ``node_done``, ``node_busy``; ``steps``: global rank 0's step ends, batched by
+:mod:`mover_plugin.launch.step_times`) as events. It notices a process's exit within one poll period
+(10 ms), reads each process's progress pipe to deliver injected failures at the step they name and
+to see heartbeats (a process silent past the timeout its heartbeats announce is killed, so that its
+exit starts the recovery), and stops every process when the controller goes away. Besides the
+workers it starts the host's standby processes (same command, its standby id set in the environment,
+no rank) and relabels one as a worker when promoted; in a migration the process it replaces keeps
+running as a *leaver* until it has handed its state over and exits. A spare host's agent starts only
+standbys (one per slot) and reports its host idle until one of them is promoted. Notices to a
+generation are written into every local rank's notice pipe (``mover_plugin.runtime.notices``); what
+passes between agent and worker is in :mod:`mover_plugin.contract`.
 
 Run as ``python -m mover_plugin.launch.agent`` with its settings as JSON in ``MOVER_AGENT_CONFIG``
 (the launcher does this), or in-process through :class:`Agent`.

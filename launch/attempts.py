@@ -1,11 +1,11 @@
 """Attempts and the standby pool: the controller's unit that starts the workers and ends the job.
 
-Each start of the workers is an *attempt*. Each attempt begins a new generation and
-rendezvouses on a fresh store the controller hosts, so keys of a failed attempt can never
-confuse the next. The agents start each host's standby processes with its workers; this unit
-keeps the pool of the ready ones (and tells its listeners of each standby ready or lost), and once every standby of the attempt is ready (at once
-without standbys) tells the workers they may train and arms the injected failures. When every
-node reports its workers done, the job ends and the summary gets the workers' statistics.
+Each start of the workers is an *attempt*. Each attempt begins a new generation and rendezvouses on
+a fresh store the controller hosts, so keys of a failed attempt can never confuse the next. The
+agents start each host's standby processes with its workers; this unit keeps the pool of the ready
+ones (and tells its listeners of each standby ready or lost), and once every standby of the attempt
+is ready (at once without standbys) tells the workers they may train and arms the injected failures.
+When every node reports its workers done, the job ends and the summary gets the workers' statistics.
 """
 
 from __future__ import annotations

@@ -11,11 +11,11 @@ under the request's own key. The ``mover`` console script is a thin layer over i
     mover report RUN [-o FILE.png]    # a finished (or running) run's interruptions and timeline
     mover templates --hosts 1024 --pipeline-size 16 --num-layers 96 --global-batch-size 4096
 
-``status`` and ``migrate`` find the job from ``--master-addr``/``--master-port`` like ``mover-launch``, and with
-neither given, the one job running on this host (:mod:`mover_plugin.launch.jobs`). A request
-the controller cannot carry out (a rank that does not exist, no free standby, a rank already
-being moved, a job that is not resilient) is rejected with one line that says why, and the
-job is left untouched.
+``status`` and ``migrate`` find the job from ``--master-addr``/``--master-port`` like
+``mover-launch``, and with neither given, the one job running on this host
+(:mod:`mover_plugin.launch.jobs`). A request the controller cannot carry out (a rank that does not
+exist, no free standby, a rank already being moved, a job that is not resilient) is rejected with
+one line that says why, and the job is left untouched.
 """
 
 from __future__ import annotations

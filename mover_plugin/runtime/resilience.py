@@ -15,10 +15,10 @@ hands itself to a :class:`ResilienceRuntime`, which holds everything else:
 - **The step.** :meth:`ResilienceRuntime.run_step` runs one training iteration. When a peer is
   lost (the controller's alarm aborts the collective this rank waits in, or arrives just after
   a communication error; an error with no alarm is the training code's own and is re-raised,
-  :mod:`mover_plugin.runtime.exits`), the survivor leaves the step, switches to the next generation — only the groups that contain the
-  lost rank, or that some member left in the middle of an operation, are rebuilt
-  (:mod:`mover_plugin.comm.delta`), and every cached reference to them is rewritten — and the
-  adapter brings it to the iteration all ranks continue from; the runtime then sends each
+  :mod:`mover_plugin.runtime.exits`), the survivor leaves the step, switches to the next
+  generation — only the groups that contain the lost rank, or that some member left in the
+  middle of an operation, are rebuilt (:mod:`mover_plugin.comm.delta`), and every cached
+  reference to them is rewritten — and the adapter brings it to the iteration all ranks continue from; the runtime then sends each
   joiner its state from the live rank the adapter names.
 - **The commit rule.** The adapter puts :meth:`ResilienceRuntime.commit` (a WORLD all-reduce
   every rank enters only with complete gradients) before the optimizer update. It also carries
