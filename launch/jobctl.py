@@ -163,6 +163,8 @@ def _parser() -> argparse.ArgumentParser:
     templates = commands.add_parser(
         "templates", help="the pipeline templates and the plan for a number of hosts")
     plans.add_arguments(templates)
+    templates.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
+                           help="print the templates and plans as JSON")
     return parser
 
 
