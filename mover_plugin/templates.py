@@ -10,8 +10,9 @@ of every layer, the embedding and output layers included) and the memory of a ho
   and the sum does not depend on the split), where every stage fits its host's memory: its
   layers' static memory (parameters, gradients, optimizer state) plus their activations times
   the micro-batches in flight at that stage (``n - s`` at stage ``s`` under 1F1B).
-  :func:`plan_templates` makes one for every host count from the smallest that fits the model to
-  the job's pipeline size. The split is found by a binary search over the candidate bottlenecks,
+  :func:`plan_templates` makes one for every host count up to the job's pipeline size that
+  has a split that fits (usually every count from the smallest that fits the model; a count can
+  fail where a smaller one fits, its first stage holding more micro-batches in flight). The split is found by a binary search over the candidate bottlenecks,
   each checked by an exact greedy split (see :func:`_furthest_split`), so a template costs
   O(L² log L) for L layers.
 - An *instantiation* for ``H`` hosts (:func:`instantiate`) is a set of at least ``f + 1``
@@ -190,18 +191,17 @@ def best_template(profile: Profile, hosts: int, prefix: Optional[_Prefix] = None
 
 
 def plan_templates(profile: Profile, pipeline_size: int) -> dict[int, Template]:
-    """A template for every host count from the smallest that fits the model to
-    ``pipeline_size``; raises :class:`PlanningError` when none does."""
+    """A template for every host count up to ``pipeline_size`` that has a split that fits;
+    raises :class:`PlanningError` when none does."""
     if pipeline_size < 1:
         raise PlanningError(f"pipeline size {pipeline_size} must be at least 1")
     prefix = _Prefix(profile)
     templates = {}
     for hosts in range(1, min(pipeline_size, prefix.count) + 1):
+        # (More hosts may fit less: the first stage holds more micro-batches in flight.)
         template = best_template(profile, hosts, prefix)
         if template is not None:
             templates[hosts] = template
-        elif templates:  # more hosts never fit less; keep the range contiguous
-            break
     if not templates:
         need = profile_bytes(profile)
         raise PlanningError(
@@ -229,12 +229,11 @@ def instantiate(templates: dict[int, Template], hosts: int, microbatches: int,
     profile does not count), and among those the set with the highest steady-state throughput."""
     least = fault_tolerance + 1
     sizes = sorted(templates)
-    count = max(least, -(-hosts // sizes[-1]))
-    if hosts < 1 or count * sizes[0] > hosts:
+    chosen = _fastest_cover(templates, hosts, least) if hosts >= 1 else None
+    if chosen is None:
         raise PlanningError(
-            f"no {least} or more pipelines of {sizes[0]} to {sizes[-1]} hosts (the templates) "
-            f"cover exactly {hosts} hosts")
-    chosen = _fastest_cover(templates, hosts, count)
+            f"no {least} or more pipelines of {_sizes(sizes)} hosts (the templates) cover "
+            f"exactly {hosts} hosts")
     pipelines = tuple(templates[n] for n in sorted(chosen, reverse=True))
     if microbatches < len(pipelines):
         raise PlanningError(f"the global batch has {microbatches} micro-batches, fewer than the "
@@ -242,31 +241,43 @@ def instantiate(templates: dict[int, Template], hosts: int, microbatches: int,
     return Instantiation(hosts, pipelines, split_batch(pipelines, microbatches))
 
 
-def _fastest_cover(templates: dict[int, Template], hosts: int, count: int) -> list[int]:
-    """The host counts of ``count`` pipelines summing to ``hosts`` with the largest summed
-    steady-state rate (micro-batches per second); a dynamic program over (pipelines, hosts)."""
+def _fastest_cover(templates: dict[int, Template], hosts: int,
+                   least: int) -> Optional[list[int]]:
+    """The host counts of the fewest pipelines (at least ``least``) summing to ``hosts``, with
+    the largest summed steady-state rate (micro-batches per second) among those; None when no
+    such set exists. A dynamic program over (pipelines, hosts), one pipeline more per round."""
     sizes = sorted(templates)
     rates = [1.0 / templates[n].bottleneck_s if templates[n].bottleneck_s > 0 else 1e300
              for n in sizes]
     best = numpy.full(hosts + 1, -numpy.inf)
     best[0] = 0.0
     picks = []
-    for _ in range(count):
+    for count in range(1, hosts // sizes[0] + 1):
         after = numpy.full(hosts + 1, -numpy.inf)
         pick = numpy.zeros(hosts + 1, dtype=numpy.int64)
         for size, rate in zip(sizes, rates):
+            if size > hosts:
+                continue
             candidate = numpy.full(hosts + 1, -numpy.inf)
             candidate[size:] = best[:hosts + 1 - size] + rate
             better = candidate > after
             after[better], pick[better] = candidate[better], size
         best = after
         picks.append(pick)
-    assert numpy.isfinite(best[hosts])
-    chosen, left = [], hosts
-    for pick in reversed(picks):
-        chosen.append(int(pick[left]))
-        left -= chosen[-1]
-    return chosen
+        if count >= least and numpy.isfinite(best[hosts]):
+            chosen, left = [], hosts
+            for round_pick in reversed(picks):
+                chosen.append(int(round_pick[left]))
+                left -= chosen[-1]
+            return chosen
+    return None
+
+
+def _sizes(sizes: list[int]) -> str:
+    """``1 to 4``, or ``1, 2, 4`` when the host counts have a gap."""
+    if sizes == list(range(sizes[0], sizes[-1] + 1)) and len(sizes) > 1:
+        return f"{sizes[0]} to {sizes[-1]}"
+    return ", ".join(str(n) for n in sizes)
 
 
 def split_batch(pipelines: Sequence[Template], microbatches: int) -> tuple[int, ...]:
