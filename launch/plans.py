@@ -10,7 +10,7 @@ The per-layer profile comes from ``--profile FILE`` (JSON: ``host_memory_bytes``
 ``activation_bytes`` for one micro-batch on one host), or, for a first look before anything was
 measured, from a GPT-like model of ``--num-layers`` equal transformer layers plus the embedding
 and output layers (:func:`mover_plugin.templates.transformer_profile`). It prints a template
-for every host count from the fewest hosts that hold the model to the pipeline size, then the
+for every host count up to the pipeline size that has one, then the
 instantiation for ``--hosts`` and for every loss of up to ``--fault-tolerance`` hosts; a
 fault tolerance that the hosts cannot meet is one error line (exit status 2). What the planner
 optimises is in :mod:`mover_plugin.templates`.
