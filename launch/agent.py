@@ -1,20 +1,26 @@
 """The per-host agent: starts the workers of one host, watches them, obeys the controller.
 
 The agent reads the controller's commands (``start``, ``stop``, ``promote``, ``generation``,
-``notice``, ``cancel_promotion``, ``discard_leaver``, ``refill``, ``finish``, ``abort``) from the
-store and posts what it sees (``joined``, ``started``, ``ready``, ``first_step``, ``worker_exit``,
-``leaver_exit``, ``injected``, ``migration_due``, ``hung``, ``standby_ready``, ``standby_exit``,
-``stopped``, ``node_done``, ``node_busy``; ``steps``: global rank 0's step ends, batched by
-:mod:`mover_plugin.launch.step_times`) as events. It notices a process's exit within one poll period
-(10 ms), reads each process's progress pipe to deliver injected failures at the step they name and
-to see heartbeats (a process silent past the timeout its heartbeats announce is killed, so that its
-exit starts the recovery), and stops every process when the controller goes away. Besides the
-workers it starts the host's standby processes (same command, its standby id set in the environment,
-no rank) and relabels one as a worker when promoted; in a migration the process it replaces keeps
-running as a *leaver* until it has handed its state over and exits. A spare host's agent starts only
-standbys (one per slot) and reports its host idle until one of them is promoted. Notices to a
-generation are written into every local rank's notice pipe (``mover_plugin.runtime.notices``); what
-passes between agent and worker is in :mod:`mover_plugin.contract`.
+``notice``, ``cancel_promotion``, ``discard_leaver``, ``refill``, ``fence``, ``finish``,
+``abort``) from the store and posts what it sees (``joined``, ``started``, ``ready``,
+``first_step``, ``worker_exit``, ``leaver_exit``, ``injected``, ``migration_due``, ``hung``,
+``standby_ready``, ``standby_exit``, ``stopped``, ``node_done``, ``node_busy``; ``steps``: global
+rank 0's step ends, batched by :mod:`mover_plugin.launch.step_times`) as events. It notices a
+process's exit within one poll period (10 ms), reads each process's progress pipe to deliver
+injected failures at the step they name and to see heartbeats (a process silent past the timeout
+its heartbeats announce is killed, so that its exit starts the recovery), and stops every
+process when the controller goes away (its store closed, or no heartbeat answered for
+:data:`CONTROLLER_TIMEOUT_S`). It beats itself too (:mod:`mover_plugin.launch.liveness`), so
+that the controller finds its host lost when it falls silent; a host declared lost is
+``fence``d: should its agent still hear that, it stops its processes and exits.
+
+Besides the workers it starts the host's standby processes (same command, its standby id set in
+the environment, no rank) and relabels one as a worker when promoted; in a migration the process
+it replaces keeps running as a *leaver* until it has handed its state over and exits. A spare
+host's agent starts only standbys (one per slot, or on the slots the workers of a lost host
+leave it after a restart) and reports its host idle until one of them is promoted. Notices to a
+generation are written into every local rank's notice pipe (``mover_plugin.runtime.notices``);
+what passes between agent and worker is in :mod:`mover_plugin.contract`.
 
 Run as ``python -m mover_plugin.launch.agent`` with its settings as JSON in ``MOVER_AGENT_CONFIG``
 (the launcher does this), or in-process through :class:`Agent`.
@@ -37,6 +43,7 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from mover_plugin.contract import (
+    ALARM,
     ATTEMPT_ENV,
     COMMANDS_MAILBOX,
     CONTROL_ADDR_ENV,
@@ -49,6 +56,7 @@ from mover_plugin.contract import (
     encode_notice,
 )
 from mover_plugin.launch.config import FailureInjection, MigrationInjection, NodeSpec
+from mover_plugin.launch.liveness import AgentBeat
 from mover_plugin.launch.step_times import StepBatch
 from mover_plugin.mailbox import Mailbox, connect_to_controller
 from mover_plugin.processes import (
@@ -72,6 +80,10 @@ logger = logging.getLogger(__name__)
 
 AGENT_CONFIG_ENV = "MOVER_AGENT_CONFIG"
 POLL_PERIOD_S = 0.01
+CONTROLLER_TIMEOUT_S = 30.0
+"""The controller unreachable this long (no heartbeat answered: a cut network) makes the agent
+stop its processes and exit. The control store is served by its own thread in the
+controller's process, so a busy controller still answers."""
 
 
 @dataclass(frozen=True)
@@ -208,6 +220,11 @@ class Agent:
     def run(self) -> int:
         """Serves the controller until it says ``finish`` (returns 0) or ``abort`` (1)."""
         node = self.config.node
+        beat = AgentBeat(lambda: connect_to_controller(
+            self.config.master_addr, self.config.master_port, CONTROLLER_TIMEOUT_S),
+            node.node_rank, unreachable_after_s=CONTROLLER_TIMEOUT_S,
+            on_unreachable=self._controller_unreachable)
+        beat.start()
         self._post("joined", host=node.host, nproc=node.nproc, pid=os.getpid())
         try:
             while True:
@@ -223,7 +240,19 @@ class Agent:
                          error)
             return 1
         finally:
+            beat.stop()
             self._stop_workers()
+
+    def _controller_unreachable(self, silent_s: float) -> None:
+        """Called from the heartbeat's thread when the controller has answered no beat for
+        :data:`CONTROLLER_TIMEOUT_S`: the main loop is stuck in a call to its store (a cut
+        network leaves a call unanswered, not failed), so this thread stops the processes and
+        ends the agent."""
+        logger.error("node %d lost the controller (no answer for %.0f s); stopping its workers",
+                     self.config.node.node_rank, silent_s)
+        stop_processes([w.process for w in list(self._workers) if not w.exited],
+                       self.config.stop_grace_s)
+        os._exit(1)
 
     # -- commands -------------------------------------------------------------------------
 
@@ -231,7 +260,9 @@ class Agent:
         op = command["op"]
         if op == "start":
             self._generation = command["generation"]
-            self._start_workers(command["attempt"], command["store_port"])
+            placed = command.get("ranks", {}).get(str(self.config.node.node_rank))
+            self._start_workers(command["attempt"], command["store_port"],
+                                list(self.config.node.ranks) if placed is None else placed)
         elif op == "arm":
             self._armed = True
         elif op == "promote":
@@ -253,23 +284,30 @@ class Agent:
             self._stop_workers()
             self._step_times.post()
             self._post("stopped", workers=progress)
+        elif op == "fence" and command["node"] == self.config.node.node_rank:
+            logger.error("node %d was declared lost by the controller; stopping its processes",
+                         self.config.node.node_rank)
+            return 1
         elif op == "finish":
             return 0
         elif op == "abort":
             return 1
         return None
 
-    def _start_workers(self, attempt: int, store_port: int) -> None:
+    def _start_workers(self, attempt: int, store_port: int, ranks: list[int]) -> None:
+        """Starts ``ranks`` (this host's own, or on a spare host those of a lost host) and
+        the standbys: ``--standbys``, or on a spare host one per slot no worker uses."""
         self._stop_workers()
         self._attempt, self._store_port = attempt, store_port
-        for local_rank, rank in enumerate(self.config.node.ranks):
+        node = self.config.node
+        for local_rank, rank in enumerate(ranks):
             self._spawn(rank, local_rank, store_port)
-        for index in range(self.config.standbys):
-            self._spawn(None, None, store_port,
-                        standby=f"a{attempt}.n{self.config.node.node_rank}.s{index}")
+        standbys = self.config.standbys - (len(ranks) if node.spare else 0)
+        for index in range(standbys):
+            self._spawn(None, None, store_port, standby=f"a{attempt}.n{node.node_rank}.s{index}")
         self._post("started", pids={w.rank: w.process.pid for w in self._workers
                                     if w.rank is not None})
-        if self.config.node.spare:
+        if not ranks:
             # No rank here until one of its standbys is promoted (then ``node_busy``).
             self._idle_reported = True
             self._post("node_done", steps_completed=None, workers=[])
@@ -323,6 +361,9 @@ class Agent:
     def _relay(self, command: dict[str, Any]) -> None:
         """Writes a notice into every local rank's notice pipe (each process keeps the ones
         of the generation it is in)."""
+        if command["kind"] == ALARM:
+            # The step ends read so far include the last one before the failure.
+            self._step_times.post()
         line = encode_notice({k: v for k, v in command.items() if k != "op"})
         for worker in self._workers:
             if worker.rank is None or worker.exited or worker.notice_pipe < 0:

@@ -47,11 +47,19 @@ class Attempts(Unit):
                 "standby_exit": self._on_standby_exit, "node_busy": self._on_node_busy,
                 "node_done": self._on_node_done}
 
-    def start(self, attempt: int) -> None:
-        """Starts every worker (and standby) afresh as attempt ``attempt``."""
+    def start(self, attempt: int) -> Optional[int]:
+        """Starts every worker (and standby) afresh as attempt ``attempt``; returns the
+        launcher's exit code when the ranks cannot all be placed on the hosts left."""
         ctx = self._ctx
-        previous, ctx.attempt = ctx.attempt, AttemptState(number=attempt, pool=StandbyPool(
-            spare_nodes=frozenset(n.node_rank for n in ctx.config.nodes if n.spare)))
+        placement = self.placement()
+        if placement is None:
+            return self.cannot_place()
+        previous, ctx.attempt = ctx.attempt, AttemptState(
+            number=attempt, placement=placement,
+            standby_target=sum(self._standbys_of(node, placement) for node in ctx.job.nodes),
+            pool=StandbyPool(spare_nodes=frozenset(
+                n.node_rank for n in ctx.config.nodes if n.spare)))
+        ctx.job.node_of_rank = {rank: node for node, ranks in placement.items() for rank in ranks}
         ctx.begin_generation(ctx.job.last_generation + 1)
         ctx.job.membership = Membership(ctx.job.generation, {r: f"a{attempt}.r{r}" for r in
                                                              range(ctx.config.world_size)})
@@ -59,16 +67,75 @@ class Attempts(Unit):
                                           wait_for_workers=False)
         del previous  # the old attempt's workers are gone; its store can close
         ctx.post({"op": "start", "attempt": attempt, "generation": ctx.job.generation,
-                  "store_port": ctx.attempt.store.port})
+                  "store_port": ctx.attempt.store.port,
+                  "ranks": {str(node): ranks for node, ranks in placement.items()}})
         self._arm_when_provisioned()
         ctx.record("attempt_start", "job", attempt=attempt)
         logger.info("attempt %d: starting %d workers", attempt, ctx.config.world_size)
+        return None
+
+    def placement(self) -> Optional[dict[int, list[int]]]:
+        """The ranks each host in the job runs as workers at the next start: its own, and the
+        ranks of each lost host on one spare host with as many slots (in node order); None
+        when a lost host's ranks fit on no spare host left."""
+        ctx = self._ctx
+        placement = {node.node_rank: list(node.ranks) for node in ctx.config.nodes
+                     if node.node_rank in ctx.job.nodes}
+        free_spares = [node for node in ctx.config.nodes
+                       if node.spare and node.node_rank in ctx.job.nodes]
+        for lost in sorted(ctx.job.lost_nodes):
+            ranks = list(ctx.config.nodes[lost].ranks)
+            if not ranks:
+                continue
+            spare = next((n for n in free_spares if n.spare_slots >= len(ranks)), None)
+            if spare is None:
+                return None
+            free_spares.remove(spare)
+            placement[spare.node_rank] = ranks
+        return placement
+
+    def cannot_place(self) -> int:
+        """Ends the job: the ranks of a lost host fit on no host left (exit code 1)."""
+        ctx = self._ctx
+        lost = sorted(ctx.job.lost_nodes)
+        reason = (f"the ranks of lost host(s) {lost} fit on no spare host left; the job "
+                  "cannot start again without them (start it again on hosts that are up)")
+        ctx.record("job_unplaceable", "restart", reason=reason)
+        logger.error("%s", reason)
+        return 1
+
+    def _standbys_of(self, node: int, placement: dict[int, list[int]]) -> int:
+        """The standbys ``node``'s agent starts: a spare host one per slot it does not use
+        for workers, a worker host ``--standbys``."""
+        config = self._ctx.config
+        spec = config.nodes[node]
+        return config.standbys_of(spec) - (len(placement.get(node, [])) if spec.spare else 0)
+
+    def drop_node(self, node: int) -> Optional[int]:
+        """``node`` was lost with its agent: its standbys leave the pool (and its share of the
+        target), the waits for every host stop waiting for it. Returns the launcher's exit
+        code when that ends the job (every other host had finished)."""
+        ctx = self._ctx
+        attempt = ctx.attempt
+        attempt.standby_target -= self._standbys_of(node, attempt.placement)
+        gone = [s for s, where in attempt.pool.hosts.items() if where == node]
+        gone += [s for s, where in attempt.refilling.items() if where == node]
+        for standby in gone:
+            attempt.pool.remove(standby)
+            ctx.record("standby_lost", "pool", standby=standby, how="its host was lost",
+                       pool=len(attempt.pool), was_ready=standby not in attempt.refilling)
+            for listener in self._on_lost:
+                listener(standby)
+        for waiting in (attempt.done, attempt.stopped, attempt.started):
+            waiting.pop(node, None)
+        self._arm_when_provisioned()
+        return self._end_if_all_done() if attempt.done else None
 
     def _arm_when_provisioned(self) -> None:
         """Once every standby of the attempt is ready (at once without): the workers may
         start training, and injected failures are armed."""
         ctx = self._ctx
-        if len(ctx.attempt.pool) < ctx.config.standby_target:
+        if len(ctx.attempt.pool) < ctx.attempt.standby_target:
             return
         ctx.store.set(standbys_ready_key(ctx.attempt.number), "1")
         if not self._armed:
@@ -122,6 +189,11 @@ class Attempts(Unit):
         attempt = self._ctx.attempt
         attempt.done[event["node"]] = event["steps_completed"]
         attempt.finished_workers.extend(event["workers"])
+        return self._end_if_all_done()
+
+    def _end_if_all_done(self) -> Optional[int]:
+        """Ends the job (exit code 0) once every host in it reported its workers done."""
+        attempt = self._ctx.attempt
         if set(attempt.done) != self._ctx.job.nodes:
             return None
         summary = self._ctx.summary

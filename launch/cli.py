@@ -50,13 +50,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def _run_first_host(config: LaunchConfig) -> int:
     store = _host_control_store(config)
     port = store.port
-    agents = [_spawn_agent(config, node_rank, port) for node_rank in config.local_node_ranks]
+    agents = {node_rank: _spawn_agent(config, node_rank, port)
+              for node_rank in config.local_node_ranks}
     controller = Controller(config, store, agents)
     try:
         with registered_job(config.master_addr, port, config.command):
             return controller.run()
     finally:
-        stop_processes(agents, grace_s=config.stop_grace_s + 5.0)
+        stop_processes(list(agents.values()), grace_s=config.stop_grace_s + 5.0)
         _report(controller.summary, config)
 
 

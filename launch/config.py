@@ -17,12 +17,15 @@ from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence
 
 from mover_plugin.errors import ConfigError
+from mover_plugin.runtime.settings import ResilienceSettings
 from mover_plugin.launch.hostfile import HostEntry, is_local_host, parse_hostfile
+from mover_plugin.launch.liveness import BEAT_PERIOD_S
 from mover_plugin.launch.slurm import SlurmAllocation, allocation_from_env
 
 POLICIES = ("restart", "resilient")
 DEFAULT_MASTER_PORT = 29500
 DEFAULT_MASTER_ADDR = "127.0.0.1"
+DEFAULT_AGENT_TIMEOUT_S = 2.0
 RUN_MODULE = "mover_plugin.launch.run"
 """The module every worker runs its script through (see ``LaunchConfig.worker_command``)."""
 
@@ -130,6 +133,9 @@ class LaunchConfig:
     pool (resilient policy)."""
     join_timeout_s: float = 300.0
     """Seconds the controller waits for every host's agent to join."""
+    agent_timeout_s: float = 2.0
+    """Seconds without an agent's heartbeat before its host is declared lost (by default
+    :data:`DEFAULT_AGENT_TIMEOUT_S`, or half the workers' failure timeout if that is less)."""
     preflight: bool = True
     """Run the script once with ``MOVER_PREFLIGHT=1`` to check its flags before any worker."""
     script_path: Optional[str] = None
@@ -181,8 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--standalone", action="store_true",
         help="Single-machine job on a free port (like torchrun --standalone).")
     add("--hostfile", default=None,
-        help="File with one 'host slots=N' line per host. Hosts naming this machine get an "
-        "agent each from this command; other hosts run 'mover-launch --node-rank N' themselves.")
+        help="File with one 'host slots=N' line per host. Without --node-rank, hosts naming "
+        "this machine get an agent each from this command; other hosts run 'mover-launch "
+        "--node-rank N' themselves (with --node-rank 0, every other host does).")
     add("--no_ssh", "--no-ssh", dest="no_ssh", action="store_true",
         help="Accepted for the deepspeed launcher's sake: mover-launch never uses ssh (each "
         "host runs its own mover-launch --node-rank N).")
@@ -230,6 +237,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--refill-delay-s", type=_non_negative_float, default=30.0,
         help="Seconds after training resumed from a crash before the lost rank's host starts "
         "a standby to refill the pool (default 30; resilient policy).")
+    add("--agent-timeout-s", type=_positive_float, default=None,
+        help="Seconds without a heartbeat from a host's agent before the controller declares "
+        "the host lost and recovers all its ranks (default 2, or half the workers' "
+        "--resilient-failure-timeout-s if that is less; at least 0.5, and below it).")
     add("--join-timeout-s", type=_positive_float, default=300.0,
         help="Seconds to wait for every host's agent to join (default 300).")
     add("--no-preflight", dest="preflight", action="store_false",
@@ -278,6 +289,7 @@ def parse_launch_args(argv: Sequence[str], python: str,
         raise ConfigError(f"--inject-migration {args.inject_migration[0].spec()} needs "
                           "--policy resilient (migration moves a rank to a standby)")
     _check_slow_rank_policy(args)
+    agent_timeout_s = _agent_timeout(args)
     target = ["-m", args.script] if args.module else [args.script]
     return LaunchConfig(
         nodes=nodes,
@@ -298,6 +310,7 @@ def parse_launch_args(argv: Sequence[str], python: str,
         stop_grace_s=args.stop_grace_s,
         refill_delay_s=args.refill_delay_s,
         join_timeout_s=args.join_timeout_s,
+        agent_timeout_s=agent_timeout_s,
         preflight=args.preflight,
         script_path=None if args.module else args.script,
         script_args=tuple(args.script_args),
@@ -373,6 +386,48 @@ def _check_slow_rank_policy(args: argparse.Namespace) -> None:
     if args.slow_rank_factor is not None and args.policy != "resilient":
         raise ConfigError(f"--slow-rank-factor {args.slow_rank_factor:g} needs --policy "
                           "resilient (a slow rank is migrated to a standby)")
+
+
+def _agent_timeout(args: argparse.Namespace) -> float:
+    """The agents' heartbeat timeout: it must span two beats, and end before a survivor of a
+    lost host stops waiting for the alarm (the workers' failure timeout, from the script's
+    flags or the DeepSpeed config's block, else the default). Not given, it is
+    :data:`DEFAULT_AGENT_TIMEOUT_S` or half the failure timeout, whichever is less."""
+    failure, where = _script_failure_timeout(args)
+    timeout = args.agent_timeout_s
+    if timeout is None:
+        timeout = max(min(DEFAULT_AGENT_TIMEOUT_S, failure / 2), 2 * BEAT_PERIOD_S)
+        if timeout < failure:
+            return timeout
+    if timeout < 2 * BEAT_PERIOD_S:
+        raise ConfigError(f"--agent-timeout-s {timeout} must be at least {2 * BEAT_PERIOD_S} "
+                          f"(agents beat every {BEAT_PERIOD_S} s)")
+    if timeout >= failure:
+        raise ConfigError(f"--agent-timeout-s {timeout} must be below the workers' failure "
+                          f"timeout ({where} {failure}): survivors of a lost host wait that "
+                          "long for the alarm, then give up")
+    return timeout
+
+
+def _script_failure_timeout(args: argparse.Namespace) -> tuple[float, str]:
+    """The workers' failure timeout and where it is set."""
+    from mover_plugin.deepspeed.config import config_path_in, load_ds_config
+
+    flag = "--resilient-failure-timeout-s"
+    script_args = list(args.script_args)
+    for index, arg in enumerate(script_args):
+        text = (arg.split("=", 1)[1] if arg.startswith(flag + "=") else
+                script_args[index + 1] if arg == flag and index + 1 < len(script_args) else None)
+        if text is not None:
+            try:
+                return float(text), flag
+            except ValueError:
+                break  # the script's own check names the bad value
+    path = config_path_in(script_args)
+    block = load_ds_config(path)[1] if path is not None else None
+    if block is not None:
+        return block.settings.failure_timeout_s, f"{path}: resilience.failure_timeout_s"
+    return ResilienceSettings.failure_timeout_s, f"{flag}, by default,"
 
 
 def _apply_deepspeed_block(args: argparse.Namespace) -> None:
@@ -478,8 +533,9 @@ def _local_nodes(
     if args.hostfile is None:
         node_rank = args.node_rank or 0
         return (node_rank,), node_rank == 0
-    if args.node_rank not in (None, 0):
-        return (args.node_rank,), False
+    if args.node_rank is not None:
+        # A host named by its rank runs its own agent only (node 0 also the controller).
+        return (args.node_rank,), args.node_rank == 0
     local = tuple(n.node_rank for n in nodes if n.node_rank == 0 or is_local_host(n.host))
     return local, True
 

@@ -5,10 +5,11 @@ acting on some kinds of events (:class:`Unit`). They share one :class:`Context`:
 settings, its control store, the ``commands`` mailbox, the run summary and the event log, and
 the state of three lifetimes:
 
-* :class:`JobState` — the whole job: the nodes, the node of each rank, which process holds
-  each rank, the generation numbers and the interruption in progress;
-* :class:`AttemptState` — one start of every worker (a restart begins a new one): whether it
-  failed, what the agents reported of its workers, its standby pool and its rendezvous store;
+* :class:`JobState` — the whole job: the nodes (and those lost), the node of each rank, which
+  process holds each rank, the generation numbers and the interruption in progress;
+* :class:`AttemptState` — one start of every worker (a restart begins a new one): where its
+  workers run, whether it failed, what the agents reported of them, its standby pool (and its
+  target) and its rendezvous store;
 * :class:`GenerationState` — one membership of the running workers: when each rank reported
   ready, its first step, and that it switched to the generation.
 
@@ -66,8 +67,11 @@ class Unit:
 @dataclass
 class JobState:
     nodes: set[int]
+    """The hosts in the job: every host of the launch but those lost."""
     node_of_rank: dict[int, int]
     """The node (host) each global rank runs on now."""
+    lost_nodes: set[int] = field(default_factory=set)
+    """Hosts lost with their agent (:mod:`mover_plugin.launch.host_loss`): out of the job."""
     generation: int = -1
     last_generation: int = -1
     """The highest generation number planned so far (a cancelled one is never reused)."""
@@ -89,6 +93,10 @@ class AttemptState:
     done: dict[int, Optional[int]] = field(default_factory=dict)
     """Per node whose workers all finished: the steps they completed."""
     finished_workers: list[Event] = field(default_factory=list)
+    placement: dict[int, list[int]] = field(default_factory=dict)
+    """The ranks each host's agent started as workers (in local-rank order)."""
+    standby_target: int = 0
+    """Standbys of the hosts in the job when every one has started its own."""
     pool: StandbyPool = field(default_factory=StandbyPool)
     refilling: dict[str, int] = field(default_factory=dict)
     """Standbys started to refill the pool that are not ready yet, with their node."""

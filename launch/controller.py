@@ -12,6 +12,9 @@ and the state of the job, of the current attempt and of the current generation):
 * :mod:`~mover_plugin.launch.recovery` — crash recovery: a standby in a new generation, or a
   restart;
 * :mod:`~mover_plugin.launch.migration` — planned migrations, phase by phase;
+* :mod:`~mover_plugin.launch.host_loss` — a host lost with its agent, found by the watch of
+  the agents' heartbeats (:mod:`~mover_plugin.launch.liveness`) or, for an agent this process
+  started, by its exit;
 * :mod:`~mover_plugin.launch.operator_requests` — ``mover status``, ``mover migrate``, injected
   migrations and the slow-rank policy.
 
@@ -26,6 +29,7 @@ A new kind of recovery is one more unit in :meth:`Controller._units`.
 from __future__ import annotations
 
 import logging
+import signal
 import subprocess
 import time
 from typing import Any, Mapping, Optional, Sequence
@@ -44,6 +48,8 @@ from mover_plugin.launch.attempts import Attempts
 from mover_plugin.launch.config import LaunchConfig
 from mover_plugin.launch.context import Context, EventHandler, Unit
 from mover_plugin.launch.eventlog import EventLog
+from mover_plugin.launch.host_loss import HostLoss
+from mover_plugin.launch.liveness import AgentWatch
 from mover_plugin.launch.migration import Migrations
 from mover_plugin.launch.operator_requests import OperatorRequests
 from mover_plugin.launch.recovery import CrashRecovery
@@ -52,6 +58,7 @@ from mover_plugin.launch.step_times import StepTimeline
 from mover_plugin.launch.summary import RunSummary
 from mover_plugin.launch.timing import InterruptionTiming
 from mover_plugin.mailbox import Mailbox
+from mover_plugin.processes import describe_exit, signal_group
 
 logger = logging.getLogger(__name__)
 
@@ -86,8 +93,9 @@ class Controller:
         self,
         config: LaunchConfig,
         store: dist.Store,
-        local_agents: Optional[list[subprocess.Popen]] = None,
+        local_agents: Optional[Mapping[int, subprocess.Popen]] = None,
     ) -> None:
+        """``local_agents``: the agent processes this process started, by node."""
         self.config = config
         self.summary = RunSummary(config.policy, config.world_size, list(config.command),
                                   started_at=time.time())
@@ -96,7 +104,8 @@ class Controller:
                             Mailbox(store, COMMANDS_MAILBOX))
         self._events = Mailbox(store, EVENTS_MAILBOX)
         self._requests = Mailbox(store, REQUESTS_MAILBOX)
-        self._local_agents = local_agents or []
+        self._local_agents = dict(local_agents or {})
+        self._agents = AgentWatch(store, self._ctx.job.nodes, config.agent_timeout_s)
         self._last_requests_poll = 0.0
         self._attempts = Attempts(self._ctx)
         self._timing = InterruptionTiming(self._ctx)
@@ -105,12 +114,14 @@ class Controller:
         self._operator = OperatorRequests(self._ctx, self._migrations)
         self._step_timeline = StepTimeline(self._ctx)
         self._refill = StandbyRefill(self._ctx)
+        self._host_loss = HostLoss(self._ctx, self._recovery, self._attempts,
+                                   self._step_timeline)
         self._wire()
         self._handler_of, self._any_attempt = handler_table(self._units())
 
     def _units(self) -> list[Unit]:
         return [self._attempts, self._timing, self._recovery, self._migrations, self._operator,
-                self._step_timeline, self._refill]
+                self._step_timeline, self._refill, self._host_loss]
 
     def _wire(self) -> None:
         # A failure during a migration is the migration's to judge first.
@@ -124,6 +135,8 @@ class Controller:
         self._timing.when_resumed(self._refill.on_resumed)
         self._attempts.when_standby_ready(self._refill.standby_ready)
         self._attempts.when_standby_lost(self._refill.standby_lost)
+        # A host loss takes its last step before the failure from rank 0's step ends.
+        self._step_timeline.when_reported(self._timing.on_steps)
 
     def run(self) -> int:
         """Runs the job to its end; returns the launcher's exit code (0: every worker exited 0)."""
@@ -137,7 +150,9 @@ class Controller:
 
     def start(self) -> None:
         """Waits for every host's agent, then starts the first attempt."""
+        self._agents.prepare()
         self._wait_for_agents()
+        self._agents.start()
         self._attempts.start(0)
 
     def poll_once(self) -> Optional[int]:
@@ -153,8 +168,7 @@ class Controller:
             for request in self._requests.poll():
                 self._operator.on_request(request)
         self._refill.start_due()
-        self._check_local_agents()
-        return None
+        return self._check_agents()
 
     def finish(self, exit_code: int) -> None:
         """Ends the job: a migration still in progress fails or completes, the agents finish
@@ -175,7 +189,10 @@ class Controller:
                 if event_problem(event) is None and event["kind"] == "joined":
                     joined.add(event["node"])
                     logger.info("agent of node %d (%s) joined", event["node"], event["host"])
-            self._check_local_agents()
+            for node, agent in self._local_agents.items():
+                if agent.poll() is not None:
+                    raise LaunchError(f"the agent of node {node} (pid {agent.pid}) exited with "
+                                      f"{agent.returncode} before the job started")
             if time.monotonic() > deadline:
                 missing = sorted(nodes - joined)
                 raise LaunchError(
@@ -191,10 +208,24 @@ class Controller:
                 return exit_code
             time.sleep(POLL_PERIOD_S)
 
-    def _check_local_agents(self) -> None:
-        for agent in self._local_agents:
-            if agent.poll() is not None:
-                raise LaunchError(f"a local agent (pid {agent.pid}) exited with {agent.returncode}")
+    def _check_agents(self) -> Optional[int]:
+        """Takes out of the job each host whose agent exited (one this process started) or
+        stopped beating; returns the launcher's exit code when that ends the job."""
+        lost = [(node, f"its agent exited ({describe_exit(agent.returncode)})", None)
+                for node, agent in self._local_agents.items()
+                if node in self._ctx.job.nodes and agent.poll() is not None]
+        lost += [(node, f"no heartbeat from its agent for {silent:.1f} s", seen)
+                 for node, silent, seen in self._agents.lost()
+                 if node not in {item[0] for item in lost}]
+        for node, how, last_seen in lost:
+            self._agents.forget(node)
+            agent = self._local_agents.get(node)
+            if agent is not None:
+                signal_group(agent, signal.SIGKILL)  # silent but maybe alive: fenced for sure
+            exit_code = self._host_loss.lost(node, how, last_seen)
+            if exit_code is not None:
+                return exit_code
+        return None
 
     def _handle(self, event: Any) -> Optional[int]:
         problem = event_problem(event)
@@ -204,6 +235,8 @@ class Controller:
             self._ctx.record("event_rejected", "job", reason=problem)
             return None
         kind = event["kind"]
+        if event.get("node") in self._ctx.job.lost_nodes:
+            return None  # a host taken out of the job: what it says no longer counts
         if kind not in self._any_attempt and event["attempt"] != self._ctx.attempt.number:
             return None  # a late report about workers of a previous attempt
         handler = self._handler_of.get(kind)

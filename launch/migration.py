@@ -117,7 +117,8 @@ class Migrations(Unit):
                                    "fault": fault}, link=False)
         interruption = Interruption(kind="migration", rank=plan[0].rank, step=0, how="planned",
                                     injected=False, attempt=ctx.attempt.number,
-                                    recovery="standby", generation=ctx.job.generation)
+                                    recovery="standby", generation=ctx.job.generation,
+                                    ranks=[item.rank for item in plan])
         interruption.mark("requested", now)
         ctx.summary.interruptions.append(interruption)
         ctx.job.interruption = interruption

@@ -80,8 +80,10 @@ class OperatorRequests(Unit):
                                        "node": ctx.job.node_of_rank.get(rank)}
                            for rank, process in sorted(ctx.job.membership.members.items())},
             "standbys": dict(ctx.attempt.pool.hosts),
-            "standby_target": ctx.config.standby_target,
+            "standby_target": ctx.attempt.standby_target,
             "refilling": dict(ctx.attempt.refilling),
+            "lost_hosts": {str(node): ctx.config.nodes[node].host
+                           for node in sorted(ctx.job.lost_nodes)},
             "migrations": self._migrations.status(),
             "recent_events": ctx.log.recent(RECENT_EVENTS),
         }

@@ -79,11 +79,31 @@ class CrashRecovery(Unit):
         lost = self._lost_ranks(event, leaver)
         if lost is None:
             return None
-        rank = event["rank"]
         interruption = self._timing.record_failure(event)
-        self._ctx.record("worker_failed", "detect", rank=rank, when=event["time"],
+        self._ctx.record("worker_failed", "detect", rank=event["rank"], when=event["time"],
                          how=event["how"], step=event["step_begun"], leaver=leaver or None)
-        logger.warning("rank %d failed at step %d (%s)", rank, event["step_begun"], event["how"])
+        logger.warning("rank %d failed at step %d (%s)", event["rank"], event["step_begun"],
+                       event["how"])
+        return self._recover(event, lost, interruption)
+
+    def on_host_lost(self, event: Event, ranks: list[int]) -> Optional[int]:
+        """Recovers every rank of a host lost with its agent (``ranks``) in one generation;
+        ``event`` describes the loss as a worker's exit would (``rank`` the first of them).
+        Returns the launcher's exit code when the job must end."""
+        if self._ctx.attempt.failed:
+            return None  # a restart is under way; it places the host's ranks elsewhere
+        lost: set[int] = set()
+        for rank in ranks:
+            claim = self._lost_ranks({**event, "rank": rank}, leaver=False)
+            lost.update(claim or ())
+        if not lost:
+            return None
+        interruption = self._timing.record_failure(event, ranks=ranks)
+        return self._recover(event, sorted(lost), interruption)
+
+    def _recover(self, event: Event, lost: list[int],
+                 interruption: Interruption) -> Optional[int]:
+        rank = event["rank"]
         own_error = self._own_errors.get((event["attempt"], rank))
         if own_error is not None:
             reason = (f"rank {rank} ended with an error of its own ({own_error}), not a lost "
@@ -141,6 +161,8 @@ class CrashRecovery(Unit):
             logger.error("no restart left (--max-restarts %d); stopping the job",
                          ctx.config.max_restarts)
             return 1
+        if self._attempts.placement() is None:
+            return self._attempts.cannot_place()
         ctx.post({"op": "stop", "attempt": ctx.attempt.number})
         return None
 
@@ -174,11 +196,16 @@ class CrashRecovery(Unit):
         ctx.attempt.stopped[event["node"]] = event["workers"]
         if ctx.job.interruption is not None:
             note_last_step(ctx.job.interruption, event["workers"])
-        if set(ctx.attempt.stopped) != ctx.job.nodes:
+        return self.restart_if_stopped()
+
+    def restart_if_stopped(self) -> Optional[int]:
+        """Starts the next attempt once every host in the job stopped its workers (a
+        restart is under way); returns the launcher's exit code when it cannot start."""
+        ctx = self._ctx
+        if not ctx.attempt.failed or set(ctx.attempt.stopped) != ctx.job.nodes:
             return None
         if ctx.job.interruption is not None:
             ctx.job.interruption.mark("stopped", time.time())
         ctx.summary.restarts += 1
         ctx.record("restart", "restart")
-        self._attempts.start(ctx.attempt.number + 1)
-        return None
+        return self._attempts.start(ctx.attempt.number + 1)

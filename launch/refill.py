@@ -11,8 +11,10 @@ starting, is below its target. The new standby joins the pool when it reports re
 started with the attempt; the run summary records each refill (when it was asked for, when it
 was ready, or that it was lost before), and the event log has ``standby_refill``.
 
-A planned migration refills nothing: the slot it frees is on the host being drained (or on the
-rank's slow host). A restart starts every standby afresh, so refills in flight are forgotten.
+A slot on a host that was lost since (:mod:`mover_plugin.launch.host_loss`) is refilled by
+no one. A planned migration refills nothing: the slot it frees is on the host being drained
+(or on the rank's slow host). A restart starts every standby afresh, so refills in flight are
+forgotten.
 """
 
 from __future__ import annotations
@@ -63,7 +65,9 @@ class StandbyRefill(Unit):
         now_monotonic = time.monotonic()
         while self._due and self._due[0][0] <= now_monotonic:
             _, node = self._due.pop(0)
-            if len(attempt.pool) + len(attempt.refilling) >= ctx.config.standby_target:
+            if node in ctx.job.lost_nodes:
+                continue  # the slot went with its host
+            if len(attempt.pool) + len(attempt.refilling) >= ctx.attempt.standby_target:
                 continue
             standby = f"a{attempt.number}.n{node}.r{attempt.refills_started}"
             attempt.refills_started += 1

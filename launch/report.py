@@ -129,7 +129,7 @@ def _read_event_log(path: Path) -> list[dict[str, Any]]:
 
 def interruption_table(run: Run) -> str:
     """One line per interruption, and a line with the run's totals."""
-    header = f"{'#':>2}  {'kind':<9} {'rank':>4} {'step':>5}  {'how':<16} {'recovery':<8} " \
+    header = f"{'#':>2}  {'kind':<9} {'rank':>5} {'step':>5}  {'how':<16} {'recovery':<8} " \
              f"{'gen':>3}  {'downtime':>9}  phases (s after the failure or request)"
     lines = [header, "-" * len(header)]
     for number, item in enumerate(run.summary["interruptions"], start=1):
@@ -137,7 +137,7 @@ def interruption_table(run: Run) -> str:
         phases = "  ".join(f"{name} {seconds:.3f}" for name, seconds in
                            item.get("phases_s", {}).items() if name not in ("failed",
                                                                             "requested"))
-        lines.append(f"{number:>2}  {item['kind']:<9} {item['rank']:>4} {item['step']:>5}  "
+        lines.append(f"{number:>2}  {item['kind']:<9} {_ranks(item):>5} {item['step']:>5}  "
                      f"{item['how'][:16]:<16} {item['recovery']:<8} {item['generation']:>3}  "
                      f"{_seconds(downtime):>9}  {phases}")
     summary = run.summary
@@ -253,7 +253,7 @@ def _draw_phases(run: Run, axis: Any) -> None:
             axis.annotate(f" step {item['step']}, {item['recovery']}, downtime "
                           f"{_seconds(item.get('downtime_s'))}",
                           xy=(segments[-1][1] - origin, row), va="center", fontsize=7)
-    axis.set_yticks(range(len(items)), [f"#{n} {item['kind']}, rank {item['rank']}"
+    axis.set_yticks(range(len(items)), [f"#{n} {item['kind']}, rank {_ranks(item)}"
                                          for n, item in enumerate(items, start=1)], fontsize=7)
     axis.margins(x=0.25)
     axis.invert_yaxis()
@@ -274,8 +274,14 @@ def _phase_segments(item: dict[str, Any]) -> list[tuple[float, float, str]]:
 
 
 def _title(item: dict[str, Any]) -> str:
-    return (f"{item['kind']} of rank {item['rank']} at step {item['step']}: "
+    return (f"{item['kind']} of rank {_ranks(item)} at step {item['step']}: "
             f"{item['recovery']}, downtime {_seconds(item.get('downtime_s'))}")
+
+
+def _ranks(item: dict[str, Any]) -> str:
+    """The ranks an interruption took, ``2`` or ``2,3`` (a host loss, a migration of several;
+    a summary older than the ``ranks`` field has only ``rank``)."""
+    return ",".join(str(rank) for rank in item.get("ranks") or [item["rank"]])
 
 
 def _phase_label(phase: str) -> str:

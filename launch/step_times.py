@@ -3,7 +3,9 @@
 Every rank of a synchronous job ends a step within milliseconds of the others, so one rank's
 step times stand for the job's: the agent of the host that runs global rank 0 (it may change
 with a migration or a recovery) batches that rank's step ends (:class:`StepBatch`) and posts
-them every :data:`REPORT_PERIOD_S` as one ``steps`` event, and when its workers stop or finish.
+them every :data:`REPORT_PERIOD_S` as one ``steps`` event, and when its workers stop or finish
+or an alarm reaches them (so that the controller learns the last step before a failure that no
+worker's exit report describes: a host lost with its agent).
 The controller's :class:`StepTimeline` writes each batch into the event log as a ``steps``
 record, ``steps`` being ``[step, end time, duration in seconds]`` triples. A step redone after a
 rollback or a restart appears again, with its new times; the step at whose end rank 0 moves
@@ -53,10 +55,18 @@ class StepBatch:
 
 
 class StepTimeline(Unit):
-    """Writes the reported step ends into the event log."""
+    """Writes the reported step ends into the event log, and tells its listeners of them."""
 
     def __init__(self, ctx: Context) -> None:
         self._ctx = ctx
+        self._listeners: list[Callable[[list[list[float]]], None]] = []
+        self._last_step: dict[int, int] = {}
+        """Per attempt: the latest step reported."""
+
+    def when_reported(self, listener: Callable[[list[list[float]]], None]) -> None:
+        """``listener`` hears every batch of step ends (the controller drops those of an
+        earlier attempt)."""
+        self._listeners.append(listener)
 
     def handlers(self) -> Mapping[str, EventHandler]:
         return {"steps": self._on_steps}
@@ -64,4 +74,14 @@ class StepTimeline(Unit):
     def _on_steps(self, event: Event) -> Optional[int]:
         fields: dict[str, Any] = {"attempt": event["attempt"], "steps": event["steps"]}
         self._ctx.record("steps", "job", when=event["time"], recent=False, **fields)
+        attempt = event["attempt"]
+        self._last_step[attempt] = max([self._last_step.get(attempt, 0),
+                                        *(int(step[0]) for step in event["steps"])])
+        for listener in self._listeners:
+            listener(event["steps"])
         return None
+
+    @property
+    def last_step(self) -> int:
+        """The latest step of the current attempt reported (0 before any)."""
+        return self._last_step.get(self._ctx.attempt.number, 0)

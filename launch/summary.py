@@ -4,7 +4,10 @@ An interruption moves through phases, each stamped with wall-clock time:
 
 * ``failed`` — the signal was delivered (injected failures) or, for a failure nobody injected,
   when it was detected;
-* ``detected`` — the agent saw the worker exit (or declared it hung);
+* ``detected`` — the agent saw the worker exit (or declared it hung); for a host lost with
+  its agent, ``failed`` is when it was last known alive (its last heartbeat seen, or rank 0's
+  last step end before the loss was found, whichever is later: that step needed every rank)
+  and ``detected`` when the controller declared it lost;
 * resilient policy: ``alarm`` — the controller posted the next generation's plan and the alarm;
   ``left`` — every survivor had left the failed step; ``switched`` — every rank, the
   replacement included, runs in the new generation;
@@ -30,6 +33,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
+HOST_LOSS = "host_loss"
+
 PHASES = ("failed", "requested", "detected", "alarm", "left", "prepared", "boundary",
           "handed_over", "switched", "stopped", "started", "recovered", "first_step_completed")
 
@@ -38,8 +43,10 @@ PHASES = ("failed", "requested", "detected", "alarm", "left", "prepared", "bound
 class Interruption:
     kind: str
     """``failure``: a worker died (crash, kill, or any non-zero exit); ``hang``: a worker
-    stopped sending heartbeats and was killed; ``migration``: a planned move of ranks."""
+    stopped sending heartbeats and was killed; ``host_loss``: a host was lost with its agent
+    (every rank on it); ``migration``: a planned move of ranks."""
     rank: int
+    """The rank that failed (the first of ``ranks``)."""
     step: int
     """The step the rank was running when it failed (1-based; 0 before the first step); for
     a migration, the step at whose end the ranks switched."""
@@ -50,6 +57,9 @@ class Interruption:
     recovery: str = "restart"
     """``standby`` (a standby took the rank's place in-process) or ``restart``."""
     generation: int = 0
+    ranks: list[int] = field(default_factory=list)
+    """Every rank the interruption took (``[rank]`` unless a host loss or a migration took
+    several)."""
     times: dict[str, float] = field(default_factory=dict)
     left_s: dict[int, float] = field(default_factory=dict)
     """Per survivor: seconds from the failure until it left the failed step."""
@@ -58,6 +68,9 @@ class Interruption:
     rolled_back_to: Optional[int] = None
     """The checkpoint's step every rank went back to, when the ranks could not continue in
     place (DeepSpeed, a lost optimizer shard that no live rank holds)."""
+
+    def __post_init__(self) -> None:
+        self.ranks = self.ranks or [self.rank]
 
     def mark(self, phase: str, when: float) -> None:
         assert phase in PHASES, phase
@@ -75,6 +88,7 @@ class Interruption:
         return {
             "kind": self.kind,
             "rank": self.rank,
+            "ranks": list(self.ranks),
             "step": self.step,
             "how": self.how,
             "injected": self.injected,

@@ -15,7 +15,7 @@ import logging
 from typing import Callable, Mapping, Optional
 
 from mover_plugin.launch.context import Context, Event, EventHandler, Unit
-from mover_plugin.launch.summary import Interruption
+from mover_plugin.launch.summary import HOST_LOSS, Interruption
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +46,8 @@ class InterruptionTiming(Unit):
         """Per generation: when each survivor left its failed step (it may report before the
         agent reports the failure)."""
         self._resumed: list[ResumeListener] = []
+        self._latest_step: Optional[tuple[float, float]] = None
+        """The latest step end of rank 0 reported, with its duration."""
 
     def handlers(self) -> Mapping[str, EventHandler]:
         return {"injected": self._on_injected, "hung": self._on_hung,
@@ -57,15 +59,19 @@ class InterruptionTiming(Unit):
         """Calls ``listener`` each time an interruption ends (in the order registered)."""
         self._resumed.append(listener)
 
-    def record_failure(self, event: Event) -> Interruption:
-        """Opens the interruption of a failed worker (``worker_exit`` or ``leaver_exit``)."""
+    def record_failure(self, event: Event, *,
+                       ranks: Optional[list[int]] = None) -> Interruption:
+        """Opens the interruption of a failed worker (``worker_exit`` or ``leaver_exit``), or
+        with ``ranks`` of a host lost with its agent (``event`` then says when its last
+        heartbeat was seen, ``time``, and when it was declared lost, ``detected``)."""
         ctx = self._ctx
         injected = self._injected.pop((event["rank"], event["attempt"]), None)
         hung = event["rank"] in self._hung
         self._hung.discard(event["rank"])  # a later failure of this rank is its replacement's
         interruption = Interruption(
-            kind="hang" if hung else "failure",
+            kind=HOST_LOSS if ranks is not None else "hang" if hung else "failure",
             rank=event["rank"],
+            ranks=list(ranks) if ranks is not None else [event["rank"]],
             step=event["step_begun"],
             how=event["how"],
             injected=injected is not None,
@@ -73,8 +79,10 @@ class InterruptionTiming(Unit):
             generation=ctx.job.generation,
         )
         interruption.mark("failed", injected["time"] if injected else event["time"])
-        interruption.mark("detected", event["time"])
+        interruption.mark("detected", event.get("detected", event["time"]))
         note_last_step(interruption, [event])
+        if ranks is not None and self._latest_step is not None:
+            self._note_step_before(interruption, [[0, *self._latest_step]])
         ctx.summary.interruptions.append(interruption)
         ctx.job.interruption = interruption
         return interruption
@@ -86,8 +94,30 @@ class InterruptionTiming(Unit):
         failed = item.times["failed"]
         item.left_s = {rank: when - failed
                        for rank, when in self._left.get(item.generation - 1, {}).items()}
-        if len(item.left_s) == self._ctx.config.world_size - 1:
+        if len(item.left_s) == self._ctx.config.world_size - len(item.ranks):
             item.mark("left", failed + max(item.left_s.values()))
+
+    def on_steps(self, steps: list[list[float]]) -> None:
+        """Rank 0's step ends, as reported (``[step, end, duration]``): a host loss, which no
+        worker's exit report describes, takes its last step before the failure from them
+        (those reported before it was found, and those after), and its ``failed`` too when
+        that step ended after the host's last heartbeat seen."""
+        for _, end, duration in steps:
+            if self._latest_step is None or end > self._latest_step[0]:
+                self._latest_step = (end, duration)
+        item = self._ctx.job.interruption
+        if item is not None and item.kind == HOST_LOSS:
+            self._note_step_before(item, steps)
+
+    @staticmethod
+    def _note_step_before(item: Interruption, steps: list[list[float]]) -> None:
+        """A step rank 0 ended before the host loss was found needed every rank, those of the
+        lost host too: the host was alive then, so the failure came after it."""
+        for _, end, duration in steps:
+            if end < item.times["detected"] and (item.last_step_before is None
+                                                 or end > item.last_step_before):
+                item.last_step_before, item.step_time_before = end, duration
+                item.times["failed"] = max(item.times["failed"], end)
 
     # -- detection --------------------------------------------------------------------------
 

@@ -8,9 +8,10 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 from mover_plugin.testing import CommandResult, run_command
 
@@ -90,3 +91,16 @@ def background_job(command: list[str], tag: Optional[str] = None,
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
+
+
+def wait_for_events(events_path: Path, done: Callable[[list[dict]], bool],
+                    process: subprocess.Popen, timeout_s: float = 240) -> list[dict]:
+    """The event log once ``done(records)`` holds (the job must still run meanwhile)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        events = read_events(events_path) if events_path.exists() else []
+        if done(events):
+            return events
+        assert process.poll() is None, "the job ended first"
+        time.sleep(0.1)
+    raise AssertionError("timed out")

@@ -10,6 +10,10 @@ posts to the ``commands`` mailbox, the store keys it sets, its event log and its
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -48,14 +52,19 @@ def requests_at_every_poll(monkeypatch):
 
 class Job:
     """A controller of 2 hosts x 2 ranks (data-parallel 4), started, and the mailboxes and
-    store that its agents and workers would use."""
+    store that its agents and workers would use. No agent beats: the agents' heartbeat
+    timeout is an hour, unless a test sets ``agent_timeout_s``. ``nodes`` replaces the hosts,
+    ``local_agents`` are processes standing for agents this controller started."""
 
     def __init__(self, tmp_path: Path, *, policy: str = "resilient", standbys: int = 1,
-                 max_restarts: int = 3, **settings: Any) -> None:
+                 max_restarts: int = 3, nodes: Optional[tuple[NodeSpec, ...]] = None,
+                 local_agents: Optional[dict[int, subprocess.Popen]] = None,
+                 **settings: Any) -> None:
         self.log_path = tmp_path / "events.jsonl"
+        nodes = nodes or (NodeSpec(0, "host0", 2, 0), NodeSpec(1, "host1", 2, 2))
+        settings.setdefault("agent_timeout_s", 3600.0)
         self.config = LaunchConfig(
-            nodes=(NodeSpec(0, "host0", 2, 0), NodeSpec(1, "host1", 2, 2)),
-            local_node_ranks=(), runs_controller=True, master_addr="127.0.0.1",
+            nodes=nodes, local_node_ranks=(), runs_controller=True, master_addr="127.0.0.1",
             master_port=0, command=("python", "train.py"), policy=policy,
             standbys=standbys, max_restarts=max_restarts,
             event_log_path=str(self.log_path), join_timeout_s=5.0, **settings)
@@ -63,10 +72,11 @@ class Job:
         self._events = Mailbox(self.store, EVENTS_MAILBOX)
         self._requests = Mailbox(self.store, REQUESTS_MAILBOX)
         self._commands = Mailbox(self.store, COMMANDS_MAILBOX)
-        self.controller = Controller(self.config, self.store)
+        self.controller = Controller(self.config, self.store, local_agents)
         self.attempt, self.generation = -1, 0
-        for node in (0, 1):
-            self.agent(node, "joined", host=f"host{node}", nproc=2, pid=100 + node)
+        for node in nodes:
+            self.agent(node.node_rank, "joined", host=node.host, nproc=node.nproc,
+                       pid=100 + node.node_rank)
         self.controller.start()
         self.attempt = 0
 
@@ -677,3 +687,128 @@ def test_the_handler_table_refuses_a_kind_claimed_twice_or_unknown_to_the_contra
         handler_table([_Claims("failure")])
     with pytest.raises(ValueError, match="of any attempt without handling them"):
         handler_table([_Claims("ready", any_attempt=frozenset({"injected"}))])
+
+
+# -- a host lost with its agent --------------------------------------------------------------
+
+SPARE_HOSTS = (NodeSpec(0, "host0", 2, 0), NodeSpec(1, "host1", 2, 2),
+               NodeSpec(2, "host2", 0, 4, spare_slots=2))
+"""Two worker hosts of 2 ranks and a spare host of 2 slots."""
+
+
+@pytest.fixture
+def agent_process():
+    """A real process standing for the agent of a host this controller started; the test
+    kills it as a lost host's agent dies."""
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                               start_new_session=True)
+    yield process
+    process.kill()
+    process.wait()
+
+
+def _spare_job(tmp_path, agent, **settings) -> Job:
+    """TP2 x DP2 on hosts 0 and 1, the spare host's two standbys ready, training."""
+    job = Job(tmp_path, standbys=0, nodes=SPARE_HOSTS, local_agents={1: agent}, **settings)
+    for index in (0, 1):
+        job.agent(2, "standby_ready", standby=f"a0.n2.s{index}")
+    job.store.set(LAYOUT_KEY, json.dumps({"tp": 2, "pp": 1, "dp": 2}))
+    assert job.poll() is None
+    job.commands()
+    return job
+
+
+def _kill(process: subprocess.Popen) -> None:
+    process.kill()
+    process.wait()
+
+
+def test_a_lost_hosts_ranks_go_together_to_the_spare_host_in_one_generation(tmp_path,
+                                                                          agent_process):
+    job = _spare_job(tmp_path, agent_process)
+    job.agent(0, "steps", steps=[[4, T0 + 4.0, 1.0], [5, T0 + 5.0, 1.0]])
+    job.poll()
+    _kill(agent_process)
+    assert job.poll() is None
+    commands = job.commands()
+    assert commands[0] == {"op": "fence", "node": 1}
+    assert commands[1]["op"] == "notice" and commands[1]["kind"] == "alarm"
+    assert commands[2:] == [
+        {"op": "promote", "standby": "a0.n2.s0", "rank": 2, "migration": False},
+        {"op": "promote", "standby": "a0.n2.s1", "rank": 3, "migration": False},
+        {"op": "generation", "generation": 1}]
+    assert job.json(plan_key(1))["replacements"] == [
+        {"rank": 2, "standby": "a0.n2.s0", "twin": 0, "node": 2},
+        {"rank": 3, "standby": "a0.n2.s1", "twin": 1, "node": 2}]
+    (lost,) = job.log("host_lost")
+    assert lost["node"] == 1 and lost["host"] == "host1" and lost["ranks"] == [2, 3]
+    assert lost["how"] == "its agent exited (signal SIGKILL)"
+    (item,) = job.controller.summary.interruptions
+    assert item.kind == "host_loss" and item.ranks == [2, 3] and item.step == 6
+    assert item.recovery == "standby" and item.generation == 1
+    # what the lost host's agent still says counts no more
+    job.exit(2)
+    job.agent(1, "node_done", steps_completed=10, workers=[])
+    assert job.poll() is None and job.commands() == []
+    # survivors left the failed step; rank 0's agent sends the steps it had read
+    for rank in (0, 1):
+        job.worker("left_step", rank=rank, generation=0, time=time.time() + 0.1)
+    job.agent(0, "steps", steps=[[6, time.time() - 30.0, 1.0]])
+    job.generation = 1
+    job.all_ranks("switched", when=time.time() + 0.5)
+    for rank in range(4):
+        job.agent(0 if rank < 2 else 2, "first_step", rank=rank, step=7, time=time.time() + 1)
+    job.poll()
+    (item,) = job.controller.summary.to_dict()["interruptions"]
+    assert item["ranks"] == [2, 3] and "left" in item["phases_s"]
+    assert item["downtime_s"] == pytest.approx(30.0, abs=2.0)  # from the last step end, 6
+    assert job.request("status", "s1")["lost_hosts"] == {"1": "host1"}
+    # the job ends when the hosts left are done: node 1 is not waited for
+    job.agent(2, "node_busy")
+    for node in (0, 2):
+        job.agent(node, "node_done", steps_completed=10, workers=[])
+    assert job.poll() == 0
+
+
+def test_a_silent_agent_loses_its_host_after_the_agent_timeout(tmp_path, agent_process):
+    job = _spare_job(tmp_path, agent_process, agent_timeout_s=0.5)
+    deadline = time.monotonic() + 30
+    while not job.log("host_lost") and time.monotonic() < deadline:
+        job.store.add("agent/0/beat", 1)
+        job.store.add("agent/2/beat", 1)
+        job.poll()
+        time.sleep(0.05)
+    (lost,) = job.log("host_lost")
+    assert lost["node"] == 1 and lost["how"].startswith("no heartbeat from its agent for ")
+    assert agent_process.wait(timeout=10) == -signal.SIGKILL  # fenced: killed, being local
+    assert [c["standby"] for c in job.commands() if c["op"] == "promote"] == [
+        "a0.n2.s0", "a0.n2.s1"]
+
+
+def test_a_lost_host_without_standbys_restarts_with_its_ranks_on_the_spare_host(
+        tmp_path, agent_process):
+    job = _spare_job(tmp_path, agent_process)
+    job.agent(2, "standby_exit", standby="a0.n2.s0", returncode=-9, how="signal SIGKILL")
+    job.poll()
+    _kill(agent_process)
+    job.poll()
+    (fallback,) = job.log("fallback")
+    assert fallback["reason"] == "2 rank(s) lost but 1 standby(s) ready"
+    assert job.commands()[-1] == {"op": "stop", "attempt": 0}
+    for node in (0, 2):
+        job.agent(node, "stopped", workers=[])
+    job.poll()
+    (start,) = [c for c in job.commands() if c["op"] == "start"]
+    assert start["attempt"] == 1 and start["ranks"] == {"0": [0, 1], "2": [2, 3]}
+    assert job.request("status", "s1")["standby_target"] == 0
+    assert {r: m["node"] for r, m in job.request("status", "s2")["membership"].items()} == {
+        "0": 0, "1": 0, "2": 2, "3": 2}
+
+
+def test_a_lost_host_whose_ranks_fit_nowhere_ends_the_job(tmp_path, agent_process):
+    job = Job(tmp_path, policy="restart", standbys=0, local_agents={1: agent_process})
+    job.provision()
+    _kill(agent_process)
+    assert job.poll() == 1
+    (reason,) = job.log("job_unplaceable")
+    assert "lost host(s) [1] fit on no spare host left" in reason["reason"]

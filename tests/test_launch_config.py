@@ -45,6 +45,24 @@ def test_hostfile_hosts_naming_this_machine_get_local_agents(tmp_path):
     assert config.master_port == 0
 
 
+def test_a_hostfile_with_node_rank_0_starts_only_the_first_hosts_agent(tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("127.0.0.1 slots=2\n127.0.0.2 slots=2\n")
+    every = parse("--hostfile", str(hostfile), "t.py")
+    first = parse("--hostfile", str(hostfile), "--node-rank", "0", "--master-port", "1234",
+                  "t.py")
+    assert every.local_node_ranks == (0, 1)
+    assert first.local_node_ranks == (0,) and first.runs_controller
+
+
+def test_the_agent_timeout_is_2_s_or_half_the_workers_failure_timeout_if_less():
+    assert parse("t.py").agent_timeout_s == 2.0
+    assert parse("t.py", "--resilient-failure-timeout-s", "3").agent_timeout_s == 1.5
+    assert parse("t.py", "--resilient-failure-timeout-s", "9").agent_timeout_s == 2.0
+    assert parse("--agent-timeout-s", "4", "t.py",
+                 "--resilient-failure-timeout-s", "6").agent_timeout_s == 4.0
+
+
 def test_spare_hosts_run_standbys_and_hold_no_rank(tmp_path):
     hostfile = tmp_path / "hosts"
     hostfile.write_text("node-a slots=2\nnode-s slots=3 spare\nnode-b slots=2\n")
@@ -155,6 +173,12 @@ def test_injection_forms():
         (["--policy", "resilient", "--slow-rank-steps", "3", "t.py"],
          "--slow-rank-steps 3 needs --slow-rank-factor"),
         (["--slow-rank-factor", "2", "t.py"], "--slow-rank-factor 2 needs --policy resilient"),
+        (["--agent-timeout-s", "0.2", "t.py"],
+         "--agent-timeout-s 0.2 must be at least 0.5 (agents beat every 0.25 s)"),
+        (["--agent-timeout-s", "5", "t.py"], "--agent-timeout-s 5.0 must be below the workers' "
+         "failure timeout (--resilient-failure-timeout-s, by default, 5.0)"),
+        (["--agent-timeout-s", "3", "t.py", "--resilient-failure-timeout-s=2.5"],
+         "failure timeout (--resilient-failure-timeout-s 2.5)"),
         (["--policy", "resilient", "--slow-rank-factor", "2", "--slow-rank-steps", "0", "t.py"],
          "'0' is not a positive integer"),
     ],

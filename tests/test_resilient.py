@@ -10,13 +10,12 @@ import json
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from gpt_jobs import (EXAMPLE, LAUNCH, MODEL, background_job, digest, pretrain, read_events,
-                      worker_pid)
+                      wait_for_events, worker_pid)
 from mover_plugin.testing import run_command
 
 pytest.importorskip("megatron.core")
@@ -155,7 +154,7 @@ def test_a_standby_dying_while_idle_only_shrinks_the_pool(tmp_path, reference_pp
     command = [*LAUNCH, "--standalone", "--nproc-per-node", "4", "--policy", "resilient",
                "--standbys", "1", "--event-log", str(events_path), EXAMPLE, *MODEL, *PP2]
     with background_job(command, tag=tmp_path.name) as process:
-        _wait_for(events_path, lambda es: any(e["event"] == "standby_ready" for e in es),
+        wait_for_events(events_path, lambda es: any(e["event"] == "standby_ready" for e in es),
                   process)
         os.kill(worker_pid(0, tmp_path.name, standby="a0.n0.s0"), signal.SIGKILL)
         output, _ = process.communicate(timeout=240)
@@ -256,18 +255,6 @@ def _holder_pid(events, rank, tag):
     return pid
 
 
-def _wait_for(events_path, done, process, timeout_s=240):
-    """The event log once ``done(records)`` holds (the job must still run meanwhile)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        events = read_events(events_path) if events_path.exists() else []
-        if done(events):
-            return events
-        assert process.poll() is None, "the job ended first"
-        time.sleep(0.1)
-    raise AssertionError("timed out")
-
-
 def test_one_standby_per_host_survives_three_failures_in_a_row_on_a_refilling_pool(tmp_path):
     """--standbys 1: after each recovery the host whose worker was lost starts a new standby;
     each next SIGKILL (sent by the test once the refill is ready) is recovered in place too."""
@@ -282,13 +269,13 @@ def test_one_standby_per_host_survives_three_failures_in_a_row_on_a_refilling_po
                "--resilient"]
     with background_job(command, tag=tmp_path.name) as process:
         # training, with its standby ready
-        events = _wait_for(events_path, lambda es: any(e["event"] == "steps" for e in es)
+        events = wait_for_events(events_path, lambda es: any(e["event"] == "steps" for e in es)
                            and any(e["event"] == "standby_ready" for e in es), process)
         for number, rank in enumerate((3, 1, 3)):
             os.kill(_holder_pid(events, rank, tmp_path.name), signal.SIGKILL)
             # recovered in place, and (but after the last) the refill it started is ready
             refills_ready = min(number + 1, 2)
-            events = _wait_for(events_path, lambda es: sum(
+            events = wait_for_events(events_path, lambda es: sum(
                 e["event"] == "resumed" for e in es) == number + 1 and sum(
                 e["event"] == "standby_ready" and ".r" in e["standby"] for e in es)
                 >= refills_ready, process)

@@ -26,6 +26,7 @@ which the alarm's listener reaches.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from datetime import timedelta
 from typing import Any, Callable, Optional, Sequence
@@ -56,6 +57,8 @@ from mover_plugin.comm.work import AbortableWork, completed, observe
 logger = logging.getLogger(__name__)
 
 BACKEND_NAME = "mover"
+GLOO_SOCKET_IFNAME_ENV = "GLOO_SOCKET_IFNAME"
+"""The interfaces gloo uses, as with c10d's own gloo backend."""
 
 
 def _live() -> LiveGroups:
@@ -106,10 +109,20 @@ def _make_gloo(store: Store, rank: int, size: int, timeout: timedelta, *,
         return dist.ProcessGroupGloo(store, rank, size, timeout)
     options = dist.ProcessGroupGloo._Options()
     options._timeout = timeout
-    options._devices = [dist.ProcessGroupGloo.create_default_device(lazy_init=True)]
+    options._devices = _gloo_devices()
     gloo = dist.ProcessGroupGloo(store, rank, size, options)
     gloo.allreduce([torch.zeros(1)]).wait()
     return gloo
+
+
+def _gloo_devices() -> list[Any]:
+    """Gloo devices that connect on first use: one per interface ``GLOO_SOCKET_IFNAME`` names
+    (comma-separated, as c10d reads it), else the default one (the host name's address)."""
+    names = [name for name in os.environ.get(GLOO_SOCKET_IFNAME_ENV, "").split(",") if name]
+    if names:
+        return [dist.ProcessGroupGloo.create_device(interface=name, lazy_init=True)
+                for name in names]
+    return [dist.ProcessGroupGloo.create_default_device(lazy_init=True)]
 
 
 class _Link:

@@ -1,0 +1,79 @@
+"""Whole-host loss: the controller's unit that takes a host lost with its agent out of the job.
+
+A host is lost when its agent stops beating (:mod:`mover_plugin.launch.liveness`: a crashed
+machine, a cut network, the agent SIGKILLed with its workers) or, for an agent this
+``mover-launch`` started, when the agent process exits while the job runs. Its workers' exits
+will never be reported, so the controller acts for them, once per host:
+
+* the host leaves the job for good: no wait (for its workers to finish or stop, for its
+  standbys to be ready) counts it any more, its standbys leave the pool and their share of the
+  pool's target, its events that still arrive are dropped, and a ``fence`` command tells its
+  agent, should it still hear the controller, to stop its processes and exit (an agent this
+  process started is killed);
+* every rank it held is recovered in one generation (``host_loss`` interruption,
+  :meth:`~mover_plugin.launch.recovery.CrashRecovery.on_host_lost`): the ranks of the host go
+  together onto one host with as many standbys, a spare host first, in local-rank order, so a
+  tensor-parallel group inside the host stays inside one; survivors stay in their processes;
+* without standbys enough the job falls back to a restart, which places the lost host's ranks
+  on a spare host with as many slots, or ends when none is left
+  (:meth:`~mover_plugin.launch.attempts.Attempts.placement`).
+
+The event log has ``host_lost`` (node, host, how, its ranks, when its last beat was seen). The
+interruption's ``step`` is the one after the last step rank 0 reported; its last step before
+the failure, and its ``failed`` when later than the last beat, come from rank 0's step ends
+(:meth:`~mover_plugin.launch.timing.InterruptionTiming.on_steps`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Mapping, Optional
+
+from mover_plugin.launch.attempts import Attempts
+from mover_plugin.launch.context import Context, EventHandler, Unit
+from mover_plugin.launch.recovery import CrashRecovery
+from mover_plugin.launch.step_times import StepTimeline
+
+logger = logging.getLogger(__name__)
+
+
+class HostLoss(Unit):
+    def __init__(self, ctx: Context, recovery: CrashRecovery, attempts: Attempts,
+                 steps: StepTimeline) -> None:
+        self._ctx = ctx
+        self._recovery = recovery
+        self._attempts = attempts
+        self._steps = steps
+
+    def handlers(self) -> Mapping[str, EventHandler]:
+        return {}  # the controller tells this unit (its watch of the agents)
+
+    def lost(self, node: int, how: str, last_seen: Optional[float] = None) -> Optional[int]:
+        """Host ``node`` was lost (``how``; its agent was last seen alive at ``last_seen``,
+        wall-clock, now when unknown); returns the launcher's exit code when the job ends."""
+        ctx = self._ctx
+        if node in ctx.job.lost_nodes or node not in ctx.job.nodes:
+            return None
+        now = time.time()
+        last_seen = now if last_seen is None else last_seen
+        ctx.job.nodes.discard(node)
+        ctx.job.lost_nodes.add(node)
+        ranks = sorted(r for r, n in ctx.job.node_of_rank.items() if n == node)
+        host = ctx.config.nodes[node].host
+        ctx.record("host_lost", "detect", node=node, host=host, how=how, ranks=ranks, when=now,
+                   last_seen=last_seen)
+        logger.error("host %s (node %d) lost: %s; its ranks: %s", host, node, how,
+                     ranks or "none")
+        ctx.post({"op": "fence", "node": node})
+        exit_code = self._attempts.drop_node(node)
+        if exit_code is not None:
+            return exit_code
+        if ranks:
+            event = {"rank": ranks[0], "attempt": ctx.attempt.number, "time": last_seen,
+                     "detected": now, "how": f"host {host} lost: {how}",
+                     "step_begun": self._steps.last_step + 1}
+            exit_code = self._recovery.on_host_lost(event, ranks)
+            if exit_code is not None:
+                return exit_code
+        return self._recovery.restart_if_stopped()
