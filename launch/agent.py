@@ -1,8 +1,8 @@
 """The per-host agent: starts the workers of one host, watches them, obeys the controller.
 
 The agent reads the controller's commands (``start``, ``stop``, ``promote``, ``generation``,
-``notice``, ``cancel_promotion``, ``discard_leaver``, ``refill``, ``fence``, ``finish``,
-``abort``) from the store and posts what it sees (``joined``, ``started``, ``ready``,
+``notice``, ``cancel_promotion``, ``discard_leaver``, ``refill``, ``fence``, ``rejoin``,
+``finish``, ``abort``) from the store and posts what it sees (``joined``, ``started``, ``ready``,
 ``first_step``, ``worker_exit``, ``leaver_exit``, ``injected``, ``migration_due``, ``hung``,
 ``standby_ready``, ``standby_exit``, ``stopped``, ``node_done``, ``node_busy``; ``steps``: global
 rank 0's step ends, batched by :mod:`mover_plugin.launch.step_times`) as events. It notices a
@@ -12,7 +12,9 @@ its heartbeats announce is killed, so that its exit starts the recovery), and st
 process when the controller goes away (its store closed, or no heartbeat answered for
 :data:`CONTROLLER_TIMEOUT_S`). It beats itself too (:mod:`mover_plugin.launch.liveness`), so
 that the controller finds its host lost when it falls silent; a host declared lost is
-``fence``d: should its agent still hear that, it stops its processes and exits.
+``fence``d: should its agent still hear that, it stops its processes and exits. Started again,
+the agent of a lost host joins the running job (it reads only the commands posted after it
+joined) and is told to ``rejoin`` as a spare host.
 
 Besides the workers it starts the host's standby processes (same command, its standby id set in
 the environment, no rank) and relabels one as a worker when promoted; in a migration the process
@@ -225,6 +227,9 @@ class Agent:
             node.node_rank, unreachable_after_s=CONTROLLER_TIMEOUT_S,
             on_unreachable=self._controller_unreachable)
         beat.start()
+        # Commands from before this agent joined are not its own (a host that comes back
+        # joins a running job).
+        self._commands.skip_to_end()
         self._post("joined", host=node.host, nproc=node.nproc, pid=os.getpid())
         try:
             while True:
@@ -275,6 +280,8 @@ class Agent:
             self._discard_leaver(command["rank"])
         elif op == "refill":
             self._refill(command)
+        elif op == "rejoin" and command["node"] == self.config.node.node_rank:
+            self._rejoin(command)
         elif op == "generation":
             self._generation = command["generation"]
             for worker in self._workers:
@@ -311,6 +318,18 @@ class Agent:
             # No rank here until one of its standbys is promoted (then ``node_busy``).
             self._idle_reported = True
             self._post("node_done", steps_completed=None, workers=[])
+
+    def _rejoin(self, command: dict[str, Any]) -> None:
+        """This host is back in the running job as a spare host: it starts the standbys the
+        controller named, and no worker."""
+        self._attempt, self._store_port = command["attempt"], command["store_port"]
+        self._generation = command["generation"]
+        for standby in command["standbys"]:
+            self._spawn(None, None, self._store_port, standby=standby)
+        self._idle_reported = True
+        self._post("node_done", steps_completed=None, workers=[])
+        logger.info("node %d is back in the job as a spare host (standbys %s)",
+                    self.config.node.node_rank, ", ".join(command["standbys"]))
 
     def _refill(self, command: dict[str, Any]) -> None:
         """Starts a standby the controller asked of this host to refill the pool."""

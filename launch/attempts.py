@@ -56,7 +56,7 @@ class Attempts(Unit):
             return self.cannot_place()
         previous, ctx.attempt = ctx.attempt, AttemptState(
             number=attempt, placement=placement,
-            standby_target=sum(self._standbys_of(node, placement) for node in ctx.job.nodes),
+            host_standbys={node: self._standbys_of(node, placement) for node in ctx.job.nodes},
             pool=StandbyPool(spare_nodes=frozenset(
                 n.node_rank for n in ctx.config.nodes if n.spare)))
         ctx.job.node_of_rank = {rank: node for node, ranks in placement.items() for rank in ranks}
@@ -117,7 +117,7 @@ class Attempts(Unit):
         code when that ends the job (every other host had finished)."""
         ctx = self._ctx
         attempt = ctx.attempt
-        attempt.standby_target -= self._standbys_of(node, attempt.placement)
+        attempt.host_standbys.pop(node, None)
         gone = [s for s, where in attempt.pool.hosts.items() if where == node]
         gone += [s for s, where in attempt.refilling.items() if where == node]
         for standby in gone:
@@ -130,6 +130,17 @@ class Attempts(Unit):
             waiting.pop(node, None)
         self._arm_when_provisioned()
         return self._end_if_all_done() if attempt.done else None
+
+    def add_spare_host(self, node: int, standbys: int) -> list[str]:
+        """``node``, back in the job after it was lost, serves as a spare host with
+        ``standbys`` standbys; returns their ids (``a{attempt}.n{node}.j{index}``, the index
+        counting every standby started for a host that came back in this attempt)."""
+        attempt = self._ctx.attempt
+        first = attempt.rejoin_standbys
+        attempt.rejoin_standbys += standbys
+        attempt.host_standbys[node] = standbys
+        attempt.pool.spare_nodes = attempt.pool.spare_nodes | {node}
+        return [f"a{attempt.number}.n{node}.j{first + index}" for index in range(standbys)]
 
     def _arm_when_provisioned(self) -> None:
         """Once every standby of the attempt is ready (at once without): the workers may

@@ -95,12 +95,20 @@ class AttemptState:
     finished_workers: list[Event] = field(default_factory=list)
     placement: dict[int, list[int]] = field(default_factory=dict)
     """The ranks each host's agent started as workers (in local-rank order)."""
-    standby_target: int = 0
-    """Standbys of the hosts in the job when every one has started its own."""
+    host_standbys: dict[int, int] = field(default_factory=dict)
+    """The standbys each host in the job started (or was asked to, rejoining)."""
     pool: StandbyPool = field(default_factory=StandbyPool)
     refilling: dict[str, int] = field(default_factory=dict)
     """Standbys started to refill the pool that are not ready yet, with their node."""
     refills_started: int = 0
+    rejoin_standbys: int = 0
+    """Standbys started for hosts that came back, in this attempt."""
+
+
+    @property
+    def standby_target(self) -> int:
+        """Standbys of the hosts in the job when every one has started its own."""
+        return sum(self.host_standbys.values())
 
 
 @dataclass

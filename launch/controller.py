@@ -115,7 +115,7 @@ class Controller:
         self._step_timeline = StepTimeline(self._ctx)
         self._refill = StandbyRefill(self._ctx)
         self._host_loss = HostLoss(self._ctx, self._recovery, self._attempts,
-                                   self._step_timeline)
+                                   self._step_timeline, self._agents)
         self._wire()
         self._handler_of, self._any_attempt = handler_table(self._units())
 
@@ -219,7 +219,7 @@ class Controller:
                  if node not in {item[0] for item in lost}]
         for node, how, last_seen in lost:
             self._agents.forget(node)
-            agent = self._local_agents.get(node)
+            agent = self._local_agents.pop(node, None)  # one that comes back is not ours
             if agent is not None:
                 signal_group(agent, signal.SIGKILL)  # silent but maybe alive: fenced for sure
             exit_code = self._host_loss.lost(node, how, last_seen)
@@ -235,7 +235,7 @@ class Controller:
             self._ctx.record("event_rejected", "job", reason=problem)
             return None
         kind = event["kind"]
-        if event.get("node") in self._ctx.job.lost_nodes:
+        if event.get("node") in self._ctx.job.lost_nodes and kind != "joined":
             return None  # a host taken out of the job: what it says no longer counts
         if kind not in self._any_attempt and event["attempt"] != self._ctx.attempt.number:
             return None  # a late report about workers of a previous attempt
@@ -245,5 +245,6 @@ class Controller:
     @property
     def handlers(self) -> Mapping[str, EventHandler]:
         """The handler of each event kind the controller acts on while the job runs (the
-        agents' ``joined`` is read before, by :meth:`start`)."""
+        agents' first ``joined`` is read before, by :meth:`start`; a later one is a lost host
+        coming back)."""
         return self._handler_of

@@ -1,4 +1,5 @@
-"""Whole-host loss: the controller's unit that takes a host lost with its agent out of the job.
+"""Whole-host loss: the controller's unit that takes a host lost with its agent out of the job,
+and back in as a spare host when its agent returns.
 
 A host is lost when its agent stops beating (:mod:`mover_plugin.launch.liveness`: a crashed
 machine, a cut network, the agent SIGKILLed with its workers) or, for an agent this
@@ -18,6 +19,13 @@ will never be reported, so the controller acts for them, once per host:
   on a spare host with as many slots, or ends when none is left
   (:meth:`~mover_plugin.launch.attempts.Attempts.placement`).
 
+A lost host comes back when its agent is started again (``mover-launch --node-rank N`` with
+the job's flags) and joins: it is back in the job as a spare host, whatever it was before —
+its ranks run elsewhere now — and its agent starts one standby per slot (ids
+``a{attempt}.n{node}.j{index}``), which join the pool and are taken first, like a spare
+host's. A restart places every rank on its own host again. The event log has ``host_joined``;
+an agent that joins for a host still in the job is refused (``join_refused``).
+
 The event log has ``host_lost`` (node, host, how, its ranks, when its last beat was seen). The
 interruption's ``step`` is the one after the last step rank 0 reported; its last step before
 the failure, and its ``failed`` when later than the last beat, come from rank 0's step ends
@@ -31,7 +39,8 @@ import time
 from typing import Mapping, Optional
 
 from mover_plugin.launch.attempts import Attempts
-from mover_plugin.launch.context import Context, EventHandler, Unit
+from mover_plugin.launch.context import Context, Event, EventHandler, Unit
+from mover_plugin.launch.liveness import AgentWatch
 from mover_plugin.launch.recovery import CrashRecovery
 from mover_plugin.launch.step_times import StepTimeline
 
@@ -39,15 +48,44 @@ logger = logging.getLogger(__name__)
 
 
 class HostLoss(Unit):
+    ANY_ATTEMPT = frozenset({"joined"})
+    """An agent that comes back has not heard of any attempt yet."""
+
     def __init__(self, ctx: Context, recovery: CrashRecovery, attempts: Attempts,
-                 steps: StepTimeline) -> None:
+                 steps: StepTimeline, agents: AgentWatch) -> None:
         self._ctx = ctx
         self._recovery = recovery
         self._attempts = attempts
         self._steps = steps
+        self._agents = agents
 
     def handlers(self) -> Mapping[str, EventHandler]:
-        return {}  # the controller tells this unit (its watch of the agents)
+        # A loss is told by the controller (its watch of the agents); a return is an event.
+        return {"joined": self._on_joined}
+
+    def _on_joined(self, event: Event) -> Optional[int]:
+        """An agent joined the running job: a lost host is back, as a spare host."""
+        ctx, node = self._ctx, event["node"]
+        if node not in ctx.job.lost_nodes:
+            reason = (f"node {node} is in the job already; a host rejoins only once it was "
+                      "lost")
+            ctx.record("join_refused", "pool", node=node, host=event["host"], reason=reason)
+            logger.warning("an agent of node %d (%s, pid %d) joined: %s", node, event["host"],
+                           event["pid"], reason)
+            return None
+        ctx.job.lost_nodes.discard(node)
+        ctx.job.nodes.add(node)
+        self._agents.watch(node)
+        if ctx.attempt.failed:
+            ctx.attempt.stopped[node] = []  # a restart under way: nothing of it to stop here
+        standbys = self._attempts.add_spare_host(node, ctx.config.nodes[node].local_world_size)
+        ctx.post({"op": "rejoin", "node": node, "attempt": ctx.attempt.number,
+                  "generation": ctx.job.generation, "store_port": ctx.attempt.store.port,
+                  "standbys": standbys})
+        ctx.record("host_joined", "pool", node=node, host=event["host"], standbys=standbys)
+        logger.info("host %s (node %d) is back: a spare host with standbys %s", event["host"],
+                    node, ", ".join(standbys))
+        return None
 
     def lost(self, node: int, how: str, last_seen: Optional[float] = None) -> Optional[int]:
         """Host ``node`` was lost (``how``; its agent was last seen alive at ``last_seen``,

@@ -117,6 +117,10 @@ class AgentWatch:
         self._last_check = None
         self.lost()
 
+    def watch(self, node: int) -> None:
+        """Watches ``node`` (again: its agent came back), as just seen."""
+        self._watched[node] = (b"", self._clock(), time.time())
+
     def forget(self, node: int) -> None:
         """Stops watching ``node`` (it left the job)."""
         self._watched.pop(node, None)

@@ -49,6 +49,11 @@ class Mailbox:
         self._store.set(f"{self._name}/{number}", json.dumps(message))
         return number
 
+    def skip_to_end(self) -> None:
+        """The next poll returns only messages posted from now on."""
+        self._next = self._store.add(f"{self._name}/count", 0) + 1
+        self._missing_since = None
+
     def poll(self) -> list[dict[str, Any]]:
         """Returns the messages posted since the last poll, in order."""
         messages = []

@@ -673,8 +673,8 @@ class _Claims(Unit):
         return {kind: (lambda event: None) for kind in self._kinds}
 
 
-def test_the_handler_table_covers_every_event_kind_but_joined_once(job):
-    assert set(job.controller.handlers) == set(EVENTS) - {"joined"}
+def test_the_handler_table_covers_every_event_kind_once(job):
+    assert set(job.controller.handlers) == set(EVENTS)
 
 
 def test_the_handler_table_refuses_a_kind_claimed_twice_or_unknown_to_the_contract():
@@ -768,6 +768,46 @@ def test_a_lost_hosts_ranks_go_together_to_the_spare_host_in_one_generation(tmp_
     for node in (0, 2):
         job.agent(node, "node_done", steps_completed=10, workers=[])
     assert job.poll() == 0
+
+
+def test_a_lost_host_whose_agent_comes_back_is_a_spare_host_used_by_the_next_failure(
+        tmp_path, agent_process):
+    job = _spare_job(tmp_path, agent_process)
+    _kill(agent_process)
+    job.poll()
+    job.commands()
+    job.generation = 1
+    job.all_ranks("switched", when=time.time())
+    for rank in range(4):
+        job.agent(0 if rank < 2 else 2, "first_step", rank=rank, step=7, time=time.time())
+    job.agent(2, "node_busy")
+    job.poll()
+    # a second agent of a host in the job is refused
+    job.agent(0, "joined", attempt=-1, host="host0", nproc=2, pid=300)
+    job.poll()
+    assert job.commands() == [] and len(job.log("join_refused")) == 1
+    # host 1's agent started again joins the running job: a spare host now
+    job.agent(1, "joined", attempt=-1, host="host1", nproc=2, pid=301)
+    job.poll()
+    (rejoin,) = job.commands()
+    assert rejoin["op"] == "rejoin" and rejoin["node"] == 1 and rejoin["attempt"] == 0
+    assert rejoin["generation"] == 1 and rejoin["standbys"] == ["a0.n1.j0", "a0.n1.j1"]
+    status = job.request("status", "s1")
+    # the target: the spare host's two (promoted since) and the two of the host back
+    assert status["lost_hosts"] == {} and status["standby_target"] == 4
+    (joined,) = job.log("host_joined")
+    assert joined["node"] == 1 and joined["standbys"] == ["a0.n1.j0", "a0.n1.j1"]
+    job.agent(1, "node_done", steps_completed=None, workers=[])
+    for standby in rejoin["standbys"]:
+        job.agent(1, "standby_ready", standby=standby)
+    job.poll()
+    # the next failure, a rank now on the spare host, takes a standby of the host that came back
+    job.agent(2, "worker_exit", rank=2, returncode=-9, how="signal SIGKILL", step_begun=9,
+              step_completed=8, standby="a0.n2.s0", last_step_end=time.time(),
+              last_step_duration=0.2)
+    assert job.poll() is None
+    promotes = [c for c in job.commands() if c["op"] == "promote"]
+    assert promotes == [{"op": "promote", "standby": "a0.n1.j0", "rank": 2, "migration": False}]
 
 
 def test_a_silent_agent_loses_its_host_after_the_agent_timeout(tmp_path, agent_process):

@@ -8,7 +8,8 @@ their own, host 1's link taken down: its processes live on and hear nothing). Ei
 controller finds the host silent for the agents' heartbeat timeout and hands both its ranks to
 the spare host's standbys in one generation; host 0's workers train on in their processes (the
 alarm reached them within their failure timeout), and the result is the failure-free run's, bit
-for bit.
+for bit. Started again, the SIGKILLed host's mover-launch joins the running job as a spare host,
+and one of its standbys takes the next rank lost.
 """
 
 from __future__ import annotations
@@ -30,12 +31,13 @@ from netns import can_make_namespaces, namespace_hosts
 
 pytest.importorskip("megatron.core")
 
-TP2 = ["--tensor-model-parallel-size", "2", "--train-iters", "30"]
+TP2 = ["--num-layers", "2", "--tensor-model-parallel-size", "2", "--train-iters", "250"]
+"""Two layers, and steps enough for host 1 to come back, and be used, before training ends."""
 
 
 @pytest.fixture(scope="module")
 def reference_tp2():
-    """TP2 x PP1 x DP2, 30 steps, no interruption."""
+    """TP2 x PP1 x DP2, 250 steps, no interruption."""
     result = pretrain(*TP2)
     assert result.returncode == 0, result.output[-4000:]
     return result
@@ -44,11 +46,14 @@ def reference_tp2():
 class ThreeHosts:
     """The job's three mover-launch processes, its event log and summary."""
 
-    def __init__(self, tmp_path: Path, processes: list[subprocess.Popen]) -> None:
+    def __init__(self, tmp_path: Path, processes: list[subprocess.Popen],
+                 commands: dict[int, list[str]]) -> None:
         self.tag = tmp_path.name
         self.events_path = tmp_path / "events.jsonl"
         self.summary_path = tmp_path / "summary.json"
         self.processes = processes
+        self.commands = commands
+        """The command that started each host's mover-launch."""
 
     def wait_for(self, done: Callable[[list[dict]], bool]) -> list[dict]:
         return wait_for_events(self.events_path, done, self.processes[0])
@@ -56,10 +61,10 @@ class ThreeHosts:
     def ranks_0_and_1(self) -> dict[int, int]:
         return {rank: worker_pid(rank, self.tag) for rank in (0, 1)}
 
-    def run_on_after_losing_host_1(self, survivors: dict[int, int]) -> str:
-        """Once training resumed, checks that ranks 0 and 1 kept their processes; returns
-        host 0's output at the end of the job."""
-        self.wait_for(lambda es: any(e["event"] == "resumed" for e in es))
+    def run_on_after_losing_host_1(self, survivors: dict[int, int], resumed: int = 1) -> str:
+        """Once training resumed (the ``resumed``-th time), checks that ranks 0 and 1 kept
+        their processes; returns host 0's output at the end of the job."""
+        self.wait_for(lambda es: sum(e["event"] == "resumed" for e in es) >= resumed)
         assert self.ranks_0_and_1() == survivors
         output, _ = self.processes[0].communicate(timeout=240)
         return output
@@ -87,17 +92,21 @@ def three_hosts(tmp_path: Path, addresses: list[str],
     script = [EXAMPLE, *MODEL, *TP2, "--resilient"]
     own = {0: ["--summary", str(tmp_path / "summary.json"),
                "--event-log", str(tmp_path / "events.jsonl")]}
+    commands = {node: on_host(node, [*common, "--node-rank", str(node), *own.get(node, []),
+                                     *script]) for node in (1, 2, 0)}
     with ExitStack() as stack:
-        processes = {node: stack.enter_context(background_job(on_host(node, [
-            *common, "--node-rank", str(node), *own.get(node, []), *script]), tmp_path.name))
-            for node in (1, 2, 0)}
-        job = ThreeHosts(tmp_path, [processes[0], processes[1], processes[2]])
+        processes = {node: stack.enter_context(background_job(command, tmp_path.name))
+                     for node, command in commands.items()}
+        job = ThreeHosts(tmp_path, [processes[0], processes[1], processes[2]], commands)
         job.wait_for(lambda es: any(e["event"] == "steps" and e["steps"][-1][0] >= 5
                                     for e in es))
         yield job
 
 
-def _check_recovered_by_the_spare_host(job: ThreeHosts, output: str, reference) -> None:
+def _check_recovered_by_the_spare_host(job: ThreeHosts, output: str, reference, *,
+                                       then: tuple[tuple[int, str], ...] = ()) -> None:
+    """Host 1's ranks went to the spare host in generation 1 (``then``: the promotions that
+    followed, as (rank, the start of the standby's id)), bit-exact, with no restart."""
     assert job.processes[0].returncode == 0, output[-5000:]
     assert f"PARAMS_DIGEST {digest(reference)}" in output
     events = read_events(job.events_path)
@@ -105,12 +114,16 @@ def _check_recovered_by_the_spare_host(job: ThreeHosts, output: str, reference) 
     assert lost["node"] == 1 and lost["ranks"] == [2, 3]
     assert lost["how"].startswith("no heartbeat from its agent for ")
     promotes = [e for e in events if e["event"] == "promote"]
-    assert [(e["rank"], e["standby"], e["generation"]) for e in promotes] == [
+    assert [(e["rank"], e["standby"], e["generation"]) for e in promotes[:2]] == [
         (2, "a0.n2.s0", 1), (3, "a0.n2.s1", 1)]
+    assert [(e["rank"], e["standby"][:len(prefix)])
+            for e, (_, prefix) in zip(promotes[2:], then)] == list(then)
+    assert len(promotes) == 2 + len(then)
     assert not [e for e in events if e["event"] in ("fallback", "restart", "worker_error")]
     summary = json.loads(job.summary_path.read_text())
-    assert summary["restarts"] == 0 and summary["steps_completed"] == 30
-    (item,) = summary["interruptions"]
+    assert summary["restarts"] == 0 and summary["steps_completed"] == 250
+    item = summary["interruptions"][0]
+    assert len(summary["interruptions"]) == 1 + len(then)
     assert item["kind"] == "host_loss" and item["ranks"] == [2, 3]
     assert item["recovery"] == "standby" and item["generation"] == 1
     assert list(item["phases_s"]) == ["failed", "detected", "alarm", "left", "switched",
@@ -118,8 +131,10 @@ def _check_recovered_by_the_spare_host(job: ThreeHosts, output: str, reference) 
     assert item["downtime_s"] is not None and item["downtime_s"] > 0
 
 
-def test_a_host_sigkilled_with_its_agent_is_replaced_by_the_spare_host_in_one_generation(
+def test_a_host_sigkilled_with_its_agent_is_replaced_by_the_spare_host_and_comes_back(
         tmp_path, reference_tp2):
+    """... and host 1's mover-launch started again joins the running job as a spare host,
+    whose standby then takes rank 2 when its process is SIGKILLed."""
     with three_hosts(tmp_path, ["127.0.0.1", "127.0.0.2", "127.0.0.3"],
                      lambda node, argv: argv) as job:
         survivors = job.ranks_0_and_1()
@@ -127,12 +142,22 @@ def test_a_host_sigkilled_with_its_agent_is_replaced_by_the_spare_host_in_one_ge
         assert len(doomed) == 2
         for pid in [job.processes[1].pid, *doomed]:
             os.kill(pid, signal.SIGKILL)
-        output = job.run_on_after_losing_host_1(survivors)
+        job.wait_for(lambda es: any(e["event"] == "resumed" for e in es))
+        assert job.ranks_0_and_1() == survivors
+        with background_job(job.commands[1], job.tag) as back:
+            job.wait_for(lambda es: sum(e["event"] == "standby_ready" and ".j" in e["standby"]
+                                        for e in es) == 2)
+            os.kill(worker_pid(2, job.tag, standby="a0.n2.s0"), signal.SIGKILL)
+            output = job.run_on_after_losing_host_1(survivors, resumed=2)
+            back_output, _ = back.communicate(timeout=60)
         spare_output, _ = job.processes[2].communicate(timeout=60)
         job.processes[1].wait(timeout=60)
-    _check_recovered_by_the_spare_host(job, output, reference_tp2)
+    _check_recovered_by_the_spare_host(job, output, reference_tp2, then=((2, "a0.n1.j"),))
+    assert back.returncode == 0, back_output[-3000:]
     assert job.processes[2].returncode == 0, spare_output[-3000:]
     assert job.processes[1].returncode == -signal.SIGKILL
+    (joined,) = [e for e in read_events(job.events_path) if e["event"] == "host_joined"]
+    assert joined["node"] == 1 and joined["standbys"] == ["a0.n1.j0", "a0.n1.j1"]
     assert not tagged_processes(job.tag)
 
 
