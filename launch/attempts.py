@@ -55,7 +55,7 @@ class Attempts(Unit):
         if placement is None:
             return self.cannot_place()
         previous, ctx.attempt = ctx.attempt, AttemptState(
-            number=attempt, placement=placement,
+            number=attempt,
             host_standbys={node: self._standbys_of(node, placement) for node in ctx.job.nodes},
             pool=StandbyPool(spare_nodes=frozenset(
                 n.node_rank for n in ctx.config.nodes if n.spare)))

@@ -7,8 +7,8 @@ the state of three lifetimes:
 
 * :class:`JobState` — the whole job: the nodes (and those lost), the node of each rank, which
   process holds each rank, the generation numbers and the interruption in progress;
-* :class:`AttemptState` — one start of every worker (a restart begins a new one): where its
-  workers run, whether it failed, what the agents reported of them, its standby pool (and its
+* :class:`AttemptState` — one start of every worker (a restart begins a new one): the
+  standbys each host started, whether it failed, what the agents reported of them, its standby pool (and its
   target) and its rendezvous store;
 * :class:`GenerationState` — one membership of the running workers: when each rank reported
   ready, its first step, and that it switched to the generation.
@@ -93,8 +93,6 @@ class AttemptState:
     done: dict[int, Optional[int]] = field(default_factory=dict)
     """Per node whose workers all finished: the steps they completed."""
     finished_workers: list[Event] = field(default_factory=list)
-    placement: dict[int, list[int]] = field(default_factory=dict)
-    """The ranks each host's agent started as workers (in local-rank order)."""
     host_standbys: dict[int, int] = field(default_factory=dict)
     """The standbys each host in the job started (or was asked to, rejoining)."""
     pool: StandbyPool = field(default_factory=StandbyPool)
