@@ -8,8 +8,8 @@ the state of three lifetimes:
 * :class:`JobState` — the whole job: the nodes (and those lost), the node of each rank, which
   process holds each rank, the generation numbers and the interruption in progress;
 * :class:`AttemptState` — one start of every worker (a restart begins a new one): the
-  standbys each host started, whether it failed, what the agents reported of them, its standby pool (and its
-  target) and its rendezvous store;
+  standbys each host started, whether it failed, what the agents reported of them, its
+  standby pool (and its target) and its rendezvous store;
 * :class:`GenerationState` — one membership of the running workers: when each rank reported
   ready, its first step, and that it switched to the generation.
 
