@@ -15,7 +15,7 @@ flags its optimizer agreed on with its peers by a collective and caches (Megatro
 grad-norm groups, :func:`forget_agreed_flags`), so that all of them agree on them again in the
 same step. A standby process, started and warmed up beforehand (every pipeline role
 played in a sandbox, :mod:`mover_plugin.megatron.standby`), takes the lost global rank: it
-adopts the model it kept from its warm-up when the rank plays that role, or builds the rank's
+adopts the model it built for the rank's role during its warm-up, or builds the rank's
 model with its collectives kept local, receives parameters, optimizer and scheduler state, RNG
 states and the iteration from a data-parallel twin, and joins the loop.
 

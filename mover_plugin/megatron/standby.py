@@ -9,17 +9,20 @@ optimizer with the script's own code, and runs a few *shadow iterations* of the 
 training step. The imports, lazy initializations, allocator pools and code paths of every role
 are warm afterwards, and nothing has reached the job's ranks.
 
-It keeps the last role it played (a middle stage when there is one, since first and last
-stages differ from it only by their embedding and output layers). On promotion:
+It keeps what it built for every role it played (each role's model, DDP and optimizer, with
+the sandbox groups they hold). On promotion to a rank of a kept role (same pipeline stage,
+tensor-parallel index 0), those objects are *adopted*: every sandbox group they hold is
+replaced by the job's group of the same purpose (paired through Megatron-Core's
+``parallel_state``), the other roles' objects are released, and the state then comes from the
+data-parallel twin as usual. Every stage of a pipeline of up to three stages is thus warm. A
+rank of another role (a tensor-parallel index other than 0, or a middle stage after the second
+in a deeper pipeline) is built on promotion, with warm code paths: Megatron-Core fixes the DDP
+grad buffers and the optimizer's parameter groups when it builds them, so one stage's objects
+cannot be turned into another's.
 
-- to a rank of the kept role (same pipeline stage and tensor-parallel index), the kept model,
-  DDP and optimizer are *adopted*: every sandbox group they hold is replaced by the job's group
-  of the same purpose (paired through Megatron-Core's ``parallel_state``), and the state then
-  comes from the data-parallel twin as usual;
-- to another role, the kept objects are dropped and that role's model is built (with warm code
-  paths), which is what the first or last stage adds to a middle one: Megatron-Core fixes the
-  DDP grad buffers and the optimizer's parameter groups when it builds them, so the embedding
-  or output layer cannot be attached to a built middle stage.
+Keeping every role costs the standby the memory of that many stages' model, gradients and
+optimizer state (never activations: the shadow iterations' are freed); a worker holds one
+stage but also its activations.
 
 The parameters, optimizer state and RNG states of the warm-up are never used: the promoted
 standby receives them from its twin.
@@ -83,7 +86,7 @@ def parallel_layout(world_size: int, parallel: dict[str, Any]) -> ParallelLayout
 
 
 def pipeline_roles(layout: ParallelLayout) -> list[PipelineRole]:
-    """The roles a standby plays, in order; the last one is kept."""
+    """The roles a standby plays, in order (each one is kept)."""
     def role(name: str, stage: int) -> PipelineRole:
         return PipelineRole(name, layout.rank(tp=0, dp=0, pp=stage), stage)
 
@@ -96,36 +99,46 @@ def pipeline_roles(layout: ParallelLayout) -> list[PipelineRole]:
 
 
 @dataclass
-class WarmedStandby:
-    """The outcome of a warm-up: the kept role's objects and what the warm-up did."""
+class KeptRole:
+    """What a standby built for one role in the sandbox."""
 
     role: PipelineRole
-    objects: Optional[TrainingObjects]
+    objects: TrainingObjects
     groups: dict[str, Any]
-    """The sandbox groups ``parallel_state`` held for the kept role, by variable name."""
+    """The sandbox groups ``parallel_state`` held for this role, by variable name."""
+
+
+@dataclass
+class WarmedStandby:
+    """The outcome of a warm-up: every role's objects and what the warm-up did."""
+
+    kept: list[KeptRole]
     report: dict[str, Any] = field(default_factory=dict)
 
     def adopt(self, rank: int, layout: ParallelLayout) -> Optional[TrainingObjects]:
         """After the job's groups exist (``initialize_model_parallel`` ran for ``rank``):
-        the kept objects moved onto them, or None when ``rank`` plays another role (the kept
-        objects are then released)."""
-        objects, self.objects = self.objects, None
+        the objects of ``rank``'s role moved onto them, or None when no kept role is
+        ``rank``'s. Every other role's objects are released."""
         coordinates = layout.coordinates(rank)
-        if objects is None or (coordinates.pp, coordinates.tp) != (self.role.stage, 0):
-            del objects
-            gc.collect()
+        matching = [kept for kept in self.kept
+                    if (coordinates.pp, coordinates.tp) == (kept.role.stage, 0)]
+        # Released without a gc.collect(): a full collection here would cost the promotion
+        # a tenth of a second; the cycles go with the next automatic one.
+        self.kept = []
+        if not matching:
             return None
-        replacements = _pair_groups(self.groups, _parallel_state_groups())
-        moved = rewire(objects, replacements)
+        (kept,) = matching
+        objects = kept.objects
+        moved = rewire(objects, _pair_groups(kept.groups, _parallel_state_groups()))
         left = count_references(objects, lambda value: isinstance(value, SandboxProcessGroup))
         if left:
             logger.warning("the kept %s-stage model still holds %d sandbox group(s) after "
-                           "adoption; building a fresh one", self.role.name, left)
-            del objects
+                           "adoption; building a fresh one", kept.role.name, left)
+            del objects, kept, matching
             gc.collect()
             return None
         logger.info("adopted the warmed %s-stage model for rank %d (%d group references moved)",
-                    self.role.name, rank, moved)
+                    kept.role.name, rank, moved)
         return objects
 
 
@@ -153,8 +166,7 @@ def _play_roles(plan: StandbyWarmUp, world_size: int, iterations: int) -> Warmed
     roles = pipeline_roles(parallel_layout(world_size, plan.parallel))
     started = time.time()
     timings: dict[str, float] = {}
-    kept: Optional[TrainingObjects] = None
-    groups: dict[str, Any] = {}
+    kept: list[KeptRole] = []
     for role in roles:
         role_started = time.perf_counter()
         dist.init_process_group(SANDBOX_BACKEND, store=dist.HashStore(), rank=role.rank,
@@ -163,8 +175,7 @@ def _play_roles(plan: StandbyWarmUp, world_size: int, iterations: int) -> Warmed
         objects = plan.build()
         for _ in range(iterations):
             plan.shadow_step(*objects)
-        if role is roles[-1]:
-            kept, groups = objects, _parallel_state_groups()
+        kept.append(KeptRole(role, objects, _parallel_state_groups()))
         del objects
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
@@ -172,7 +183,7 @@ def _play_roles(plan: StandbyWarmUp, world_size: int, iterations: int) -> Warmed
         timings[role.name] = time.perf_counter() - role_started
     report = {
         "roles": [role.name for role in roles],
-        "kept": roles[-1].name,
+        "kept": [item.role.name for item in kept],
         "shadow_iterations": iterations,
         "role_s": timings,
         "warm_up_s": time.time() - started,
@@ -181,7 +192,7 @@ def _play_roles(plan: StandbyWarmUp, world_size: int, iterations: int) -> Warmed
     }
     logger.info("standby warmed up as %s in %.2f s (%d sandbox operations)",
                 "/".join(report["roles"]), report["warm_up_s"], report["sandbox_operations"])
-    return WarmedStandby(roles[-1], kept, groups, report)
+    return WarmedStandby(kept, report)
 
 
 def _parallel_state_groups() -> dict[str, Any]:
