@@ -111,6 +111,8 @@ def test_the_distributed_optimizer_continues_in_place_from_the_peer_copy(tmp_pat
     assert interruption["rolled_back_to"] is None
     assert not [e for e in events if e["event"] == "rolled_back"]
     assert {e["rank"] for e in events if e["event"] == "peer_copy"} == {0, 1, 2, 3}
+    (joiner,) = [e for e in events if e["event"] == "switched" and e["role"] == "joiner"]
+    assert joiner["adopted"] is True  # rank 2: last stage, data-parallel index 0
 
 
 def test_without_the_peer_copy_every_rank_rolls_back_to_the_examples_checkpoint(
@@ -126,6 +128,10 @@ def test_without_the_peer_copy_every_rank_rolls_back_to_the_examples_checkpoint(
     (interruption,) = summary["interruptions"]
     assert interruption["rolled_back_to"] == 6 and summary["restarts"] == 0
     assert sorted(e["rank"] for e in events if e["event"] == "rolled_back") == [0, 1, 2, 3]
+    # Rank 1's optimizer shard is data-parallel index 1's: the standby's kept first stage
+    # (sharded for index 0) does not fit, so it builds.
+    (joiner,) = [e for e in events if e["event"] == "switched" and e["role"] == "joiner"]
+    assert joiner["adopted"] is False
 
 
 @pytest.fixture(scope="module")

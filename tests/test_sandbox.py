@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from mover_plugin.layout import ParallelLayout
-from mover_plugin.megatron.standby import pipeline_roles
+from mover_plugin.megatron.standby import KeptRole, pipeline_roles
 from rank_jobs import (  # noqa: F401 - the fixture is used by name
     GROUP_TIMEOUT,
     init_mover_group,
@@ -44,10 +44,19 @@ def _roles(tp: int, pp: int, dp: int) -> list[tuple[str, int, int]]:
             for role in pipeline_roles(ParallelLayout(tp=tp, pp=pp, dp=dp))]
 
 
-def test_a_standby_plays_every_pipeline_role_and_keeps_a_middle_stage_last():
+def test_a_standby_plays_first_last_then_a_middle_stage():
     assert _roles(1, 1, 4) == [("only", 0, 0)]
     assert _roles(1, 2, 2) == [("first", 0, 0), ("last", 2, 1)]
     assert _roles(2, 4, 1) == [("first", 0, 0), ("last", 6, 3), ("middle", 2, 1)]
+
+
+@pytest.mark.parametrize("sharded, fitting", [(False, [0, 2]), (True, [0])])
+def test_a_kept_role_fits_its_stage_at_tp0_and_with_a_sharded_optimizer_only_dp0(
+        sharded, fitting):
+    layout = ParallelLayout(tp=2, pp=2, dp=2)  # ranks 0-3 first stage, 4-7 last
+    (first, _) = [KeptRole(role, (None, None, None), {}, sharded)
+                  for role in pipeline_roles(layout)]
+    assert [rank for rank in range(8) if first.fits(layout.coordinates(rank))] == fitting
 
 
 # --------------------------------------------------------------------------- processes

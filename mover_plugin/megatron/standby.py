@@ -11,14 +11,16 @@ are warm afterwards, and nothing has reached the job's ranks.
 
 It keeps what it built for every role it played (each role's model, DDP and optimizer, with
 the sandbox groups they hold). On promotion to a rank of a kept role (same pipeline stage,
-tensor-parallel index 0), those objects are *adopted*: every sandbox group they hold is
-replaced by the job's group of the same purpose (paired through Megatron-Core's
-``parallel_state``), the other roles' objects are released, and the state then comes from the
-data-parallel twin as usual. Every stage of a pipeline of up to three stages is thus warm. A
-rank of another role (a tensor-parallel index other than 0, or a middle stage after the second
-in a deeper pipeline) is built on promotion, with warm code paths: Megatron-Core fixes the DDP
-grad buffers and the optimizer's parameter groups when it builds them, so one stage's objects
-cannot be turned into another's.
+tensor-parallel index 0, and, with the distributed optimizer, data-parallel index 0), those
+objects are *adopted*: every sandbox group they hold is replaced by the job's group of the
+same purpose (paired through Megatron-Core's ``parallel_state``), the other roles' objects are
+released, and the state then comes from the data-parallel twin as usual. Every stage of a
+pipeline of up to three stages is thus warm. A rank of another role (a tensor-parallel index
+other than 0, a middle stage after the second in a deeper pipeline, or a data-parallel index
+other than 0 when the optimizer is sharded) is built on promotion, with warm code paths:
+Megatron-Core fixes the DDP grad buffers and the optimizer's parameter groups when it builds
+them (with the distributed optimizer, the shard a rank updates and the bucket groups' rank in
+the data-parallel group among them), so one role's objects cannot be turned into another's.
 
 Keeping every role costs the standby the memory of that many stages' model, gradients and
 optimizer state (never activations: the shadow iterations' are freed); a worker holds one
@@ -45,7 +47,8 @@ from mover_plugin.comm.sandbox import (
     operations_served,
     register_sandbox_backend,
 )
-from mover_plugin.layout import ParallelLayout
+from mover_plugin.layout import Coordinates, ParallelLayout
+from mover_plugin.megatron.distributed_optimizer import uses_distributed_optimizer
 from mover_plugin.runtime.rewire import count_references, rewire
 
 logger = logging.getLogger(__name__)
@@ -106,6 +109,15 @@ class KeptRole:
     objects: TrainingObjects
     groups: dict[str, Any]
     """The sandbox groups ``parallel_state`` held for this role, by variable name."""
+    sharded: bool
+    """Whether the optimizer is Megatron-Core's distributed optimizer, whose shard ranges and
+    DDP bucket groups are fixed for the data-parallel index the role was played at (0)."""
+
+    def fits(self, coordinates: Coordinates) -> bool:
+        """Whether a rank at ``coordinates`` can take these objects over."""
+        if (coordinates.pp, coordinates.tp) != (self.role.stage, 0):
+            return False
+        return coordinates.dp == 0 or not self.sharded
 
 
 @dataclass
@@ -120,8 +132,7 @@ class WarmedStandby:
         the objects of ``rank``'s role moved onto them, or None when no kept role is
         ``rank``'s. Every other role's objects are released."""
         coordinates = layout.coordinates(rank)
-        matching = [kept for kept in self.kept
-                    if (coordinates.pp, coordinates.tp) == (kept.role.stage, 0)]
+        matching = [kept for kept in self.kept if kept.fits(coordinates)]
         # Released without a gc.collect(): a full collection here would cost the promotion
         # a tenth of a second; the cycles go with the next automatic one.
         self.kept = []
@@ -175,7 +186,8 @@ def _play_roles(plan: StandbyWarmUp, world_size: int, iterations: int) -> Warmed
         objects = plan.build()
         for _ in range(iterations):
             plan.shadow_step(*objects)
-        kept.append(KeptRole(role, objects, _parallel_state_groups()))
+        kept.append(KeptRole(role, objects, _parallel_state_groups(),
+                             uses_distributed_optimizer(objects[1])))
         del objects
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
