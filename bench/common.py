@@ -21,16 +21,20 @@ def benchmark_parser(doc: str, repeats: int) -> argparse.ArgumentParser:
     """A parser described by the first paragraph of ``doc``, with ``--repeats`` (runs of each
     mode, default ``repeats``)."""
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=repeats)
+    parser.add_argument("--repeats", type=_at_least_one, default=repeats)
     return parser
+
+
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
 
 
 def repeats_argument(doc: str, default: int) -> argparse.Namespace:
     """Parses ``--repeats`` (runs of each mode) for a benchmark described by ``doc``."""
-    args = benchmark_parser(doc, default).parse_args()
-    if args.repeats < 1:
-        raise SystemExit(f"--repeats {args.repeats} must be at least 1")
-    return args
+    return benchmark_parser(doc, default).parse_args()
 
 
 def add_out_argument(parser: argparse.ArgumentParser, name: str) -> None:

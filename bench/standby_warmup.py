@@ -5,7 +5,7 @@ The same Megatron-Core job (examples/pretrain_gpt.py, TP1 x PP3 x DP2 on 6 CPU p
 that first, middle and last stages all exist) loses the same rank (SIGKILL of rank 3, a middle
 stage, when it begins step 8) and a standby takes its place. The standby is either warmed up
 (``--resilient-standby-shadow-iterations 2``: it plays each pipeline role in the sandbox and
-keeps the middle one) or cold (``0``: it only imports and waits). The two modes alternate,
+keeps them all) or cold (``0``: it only imports and waits). The two modes alternate,
 ``--repeats`` times each. Printed, from this one run:
 
 * the warm-up: roles played, shadow iterations per role, seconds per role, operations the

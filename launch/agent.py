@@ -376,6 +376,11 @@ class Agent:
                     self._post("node_busy")
                 return
         # The standby runs on another host: its agent relabels it.
+        if not self._idle_reported and all(w.rank is None for w in self._workers):
+            # This host's last rank crashed and now runs elsewhere: nothing left to train here
+            # unless one of its standbys is promoted later (then ``node_busy``).
+            self._idle_reported = True
+            self._post("node_done", steps_completed=None, workers=[])
 
     def _relay(self, command: dict[str, Any]) -> None:
         """Writes a notice into every local rank's notice pipe (each process keeps the ones

@@ -2,7 +2,8 @@
 
 ``mover-launch [flags] script.py [script flags]`` checks its flags and the script's, then on the
 first host runs the controller and starts an agent per local host; on other hosts
-(``--node-rank N``) it runs that host's agent. See ``mover-launch --help``.
+(``--node-rank N``) it runs that host's agent; with ``--join ADDR:PORT`` it adds this host to a
+running job (:mod:`mover_plugin.launch.join`). See ``mover-launch --help``.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ import torch.distributed as dist
 
 from mover_plugin.errors import ConfigError, LaunchError
 from mover_plugin.launch.agent import AGENT_CONFIG_ENV, Agent, AgentConfig
-from mover_plugin.launch.config import LaunchConfig, parse_launch_args
+from mover_plugin.launch.config import JoinConfig, LaunchConfig, parse_launch_args
 from mover_plugin.launch.controller import Controller
 from mover_plugin.launch.jobs import registered_job
+from mover_plugin.launch.join import run_joining_host
 from mover_plugin.launch.preflight import run_preflight
 from mover_plugin.launch.summary import RunSummary
 from mover_plugin.mailbox import connect_to_controller
@@ -35,6 +37,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         config = parse_launch_args(sys.argv[1:] if argv is None else argv, sys.executable)
+        if isinstance(config, JoinConfig):
+            return run_joining_host(config)
         if config.runs_controller:
             run_preflight(config)
             return _run_first_host(config)
@@ -91,7 +95,7 @@ def _agent_config(config: LaunchConfig, node_rank: int, port: int) -> AgentConfi
         migrations=tuple(i for i in config.migrations if i.rank in node.ranks),
         stop_grace_s=config.stop_grace_s,
         standbys=config.standbys_of(node),
-        report_busy=config.slow_rank_factor is not None,
+        report_busy=config.report_busy,
     )
 
 

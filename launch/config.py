@@ -13,8 +13,9 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 from dataclasses import dataclass, field
-from typing import Mapping, Optional, Sequence
+from typing import Mapping, Optional, Sequence, Union
 
 from mover_plugin.errors import ConfigError
 from mover_plugin.runtime.settings import ResilienceSettings
@@ -153,6 +154,11 @@ class LaunchConfig:
         interpreter, unbuffered, *target = self.command
         return (interpreter, unbuffered, "-m", RUN_MODULE, *target)
 
+    @property
+    def report_busy(self) -> bool:
+        """Whether agents send each step's busy times (the slow-rank policy is on)."""
+        return self.slow_rank_factor is not None
+
     def standbys_of(self, node: NodeSpec) -> int:
         """Standbys the agent of ``node`` starts: a spare host one per slot, a worker host
         ``--standbys``."""
@@ -162,6 +168,47 @@ class LaunchConfig:
     def standby_target(self) -> int:
         """Standbys of the whole job when every agent has started its own."""
         return sum(self.standbys_of(node) for node in self.nodes)
+
+
+@dataclass(frozen=True)
+class JoinConfig:
+    """``mover-launch --join ADDR:PORT``: a host that joins a running job as a spare host
+    (:mod:`mover_plugin.launch.join`); everything else comes from the job's controller."""
+
+    master_addr: str
+    master_port: int
+    host: str
+    slots: int
+    join_timeout_s: float
+
+
+JOIN_FLAGS = ("join", "host", "nproc_per_node", "join_timeout_s")
+"""The flags a joining host takes; every other one is the job's, set on its first host."""
+
+
+def _join_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> JoinConfig:
+    given = [action for action in parser._actions  # noqa: SLF001 - argparse has no public list
+             if action.dest not in (*JOIN_FLAGS, "help")
+             and getattr(args, action.dest) != action.default
+             and not (action.dest == "script_args" and not args.script_args)]
+    if given:
+        action = given[0]
+        name = action.option_strings[0] if action.option_strings else repr(args.script)
+        raise ConfigError(
+            f"--join {args.join[0]}:{args.join[1]} takes the job's script and settings from its "
+            f"controller: drop {name} (a joining host takes only --nproc-per-node, --host and "
+            "--join-timeout-s)")
+    addr, port = args.join
+    return JoinConfig(master_addr=addr, master_port=port, host=args.host or socket.gethostname(),
+                      slots=args.nproc_per_node or 1, join_timeout_s=args.join_timeout_s)
+
+
+def _address_argument(text: str) -> tuple[str, int]:
+    addr, _, port = text.rpartition(":")
+    if not addr or not port.isdigit() or not 0 < int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not ADDR:PORT (e.g. 10.0.0.1:29500), "
+                                         "the running job's --master-addr and --master-port")
+    return addr, int(port)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -242,22 +289,43 @@ def build_parser() -> argparse.ArgumentParser:
         "the host lost and recovers all its ranks (default 2, or half the workers' "
         "--resilient-failure-timeout-s if that is less; at least 0.5, and below it).")
     add("--join-timeout-s", type=_positive_float, default=300.0,
-        help="Seconds to wait for every host's agent to join (default 300).")
+        help="Seconds to wait for every host's agent to join (default 300); with --join, for "
+        "the controller to answer.")
+    add("--join", default=None, type=_address_argument, metavar="ADDR:PORT",
+        help="Join the running job whose controller's store is at ADDR:PORT (its --master-addr "
+        "and --master-port) as a spare host with --nproc-per-node slots (default 1): a host "
+        "not in its hostfile, or one that was lost. The job's script and settings come from "
+        "its controller: give no script and no other job flag (resilient policy only).")
+    add("--host", default=None, metavar="NAME",
+        help="With --join: this host's name in the job (default its hostname); a lost host of "
+        "that name and slot count is taken back as itself.")
     add("--no-preflight", dest="preflight", action="store_false",
         help="Do not check the script's flags before starting workers.")
     add("-m", "--module", action="store_true",
         help="Treat the script as a Python module name, as 'python -m'.")
-    add("script", help="The training script (or module with -m).")
+    add("script", nargs="?", default=None, help="The training script (or module with -m).")
     add("script_args", nargs=argparse.REMAINDER, help="Arguments of the training script.")
     return parser
 
 
 def parse_launch_args(argv: Sequence[str], python: str,
-                      environ: Optional[Mapping[str, str]] = None) -> LaunchConfig:
+                      environ: Optional[Mapping[str, str]] = None
+                      ) -> Union[LaunchConfig, JoinConfig]:
     """Parses and checks ``mover-launch`` flags; raises :class:`ConfigError` on bad input.
+    With ``--join``, the settings of a host that joins a running job (:class:`JoinConfig`).
     Without host flags, the hosts come from Slurm's variables in ``environ`` (by default this
     process's environment) when it runs in a Slurm job step (:mod:`mover_plugin.launch.slurm`)."""
-    args = build_parser().parse_args(list(argv))
+    parser = build_parser()
+    args = parser.parse_args(list(argv))
+    if args.join is not None:
+        return _join_config(args, parser)
+    if args.host is not None:
+        raise ConfigError(f"--host {args.host} names a host that joins a running job: it goes "
+                          "with --join ADDR:PORT (the job's hosts come from --hostfile)")
+    if args.script is None:
+        raise ConfigError("no training script given: mover-launch [flags] script.py "
+                          "[script flags] (or --join ADDR:PORT to add this host to a running "
+                          "job)")
     _apply_deepspeed_block(args)
     slurm = _slurm_allocation(args, environ if environ is not None else os.environ)
     if slurm is not None:

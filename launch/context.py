@@ -72,6 +72,8 @@ class JobState:
     """The node (host) each global rank runs on now."""
     lost_nodes: set[int] = field(default_factory=set)
     """Hosts lost with their agent (:mod:`mover_plugin.launch.host_loss`): out of the job."""
+    admitted_nodes: set[int] = field(default_factory=set)
+    """Hosts admitted by a ``join_request`` whose agent has not joined yet."""
     generation: int = -1
     last_generation: int = -1
     """The highest generation number planned so far (a cancelled one is never reused)."""

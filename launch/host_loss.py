@@ -1,5 +1,5 @@
 """Whole-host loss: the controller's unit that takes a host lost with its agent out of the job,
-and back in as a spare host when its agent returns.
+and back in as a spare host when its agent returns; a new host joins the same way.
 
 A host is lost when its agent stops beating (:mod:`mover_plugin.launch.liveness`: a crashed
 machine, a cut network, the agent SIGKILLed with its workers) or, for an agent this
@@ -26,6 +26,11 @@ its ranks run elsewhere now — and its agent starts one standby per slot (ids
 host's. A restart places every rank on its own host again. The event log has ``host_joined``;
 an agent that joins for a host still in the job is refused (``join_refused``).
 
+A host not in the hostfile asks to join (``mover-launch --join``, :mod:`mover_plugin.launch.join`;
+a ``join_request`` event): the controller admits it (``host_admitted``) as a new spare node, or
+as the lost node of the same name and slot count, answers with what its agent needs, and the
+agent then joins as above. A job under the restart policy refuses it.
+
 The event log has ``host_lost`` (node, host, how, its ranks, when its last beat was seen). The
 interruption's ``step`` is the one after the last step rank 0 reported; its last step before
 the failure, and its ``failed`` when later than the last beat, come from rank 0's step ends
@@ -36,9 +41,11 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import asdict, replace
 from typing import Mapping, Optional
 
 from mover_plugin.launch.attempts import Attempts
+from mover_plugin.launch.config import NodeSpec
 from mover_plugin.launch.context import Context, Event, EventHandler, Unit
 from mover_plugin.launch.liveness import AgentWatch
 from mover_plugin.launch.recovery import CrashRecovery
@@ -48,8 +55,8 @@ logger = logging.getLogger(__name__)
 
 
 class HostLoss(Unit):
-    ANY_ATTEMPT = frozenset({"joined"})
-    """An agent that comes back has not heard of any attempt yet."""
+    ANY_ATTEMPT = frozenset({"joined", "join_request"})
+    """An agent that comes back, or a host that asks to join, has not heard of any attempt."""
 
     def __init__(self, ctx: Context, recovery: CrashRecovery, attempts: Attempts,
                  steps: StepTimeline, agents: AgentWatch) -> None:
@@ -61,12 +68,55 @@ class HostLoss(Unit):
 
     def handlers(self) -> Mapping[str, EventHandler]:
         # A loss is told by the controller (its watch of the agents); a return is an event.
-        return {"joined": self._on_joined}
+        return {"joined": self._on_joined, "join_request": self._on_join_request}
+
+    def _on_join_request(self, event: Event) -> Optional[int]:
+        """A host asks to join (``mover-launch --join``): it is admitted as a spare host, a
+        node of its own or the lost node of its name and slot count (its agent then joins,
+        :meth:`_on_joined`), or refused."""
+        ctx, host, slots = self._ctx, event["host"], event["slots"]
+        reason = self._join_refusal(slots)
+        if reason is not None:
+            ctx.post({"op": "join_refused", "token": event["token"], "reason": reason})
+            ctx.record("join_refused", "pool", node=None, host=host, reason=reason)
+            logger.warning("host %s (pid %d) asked to join: %s", host, event["pid"], reason)
+            return None
+        spec = self._node_for(host, slots)
+        ctx.job.admitted_nodes.add(spec.node_rank)
+        config = ctx.config
+        ctx.post({"op": "admit", "token": event["token"], "node": asdict(spec),
+                  "world_size": config.world_size, "command": list(config.worker_command),
+                  "stop_grace_s": config.stop_grace_s, "report_busy": config.report_busy})
+        ctx.record("host_admitted", "pool", node=spec.node_rank, host=host, slots=slots)
+        logger.info("host %s asked to join: admitted as node %d", host, spec.node_rank)
+        return None
+
+    def _join_refusal(self, slots: int) -> Optional[str]:
+        if self._ctx.config.policy != "resilient":
+            return (f"the job runs --policy {self._ctx.config.policy}; a joining host serves "
+                    "as standbys, which only --policy resilient uses")
+        if slots < 1:
+            return f"{slots} slots: a joining host needs at least one (--nproc-per-node)"
+        return None
+
+    def _node_for(self, host: str, slots: int) -> NodeSpec:
+        """The lost node named ``host`` with ``slots`` slots not admitted yet, else a new
+        spare node, added to the job's hosts."""
+        ctx = self._ctx
+        for node in sorted(ctx.job.lost_nodes - ctx.job.admitted_nodes):
+            spec = ctx.config.nodes[node]
+            if spec.host == host and spec.local_world_size == slots:
+                return spec
+        nodes = ctx.config.nodes
+        spec = NodeSpec(len(nodes), host, 0, ctx.config.world_size, spare_slots=slots)
+        ctx.config = replace(ctx.config, nodes=(*nodes, spec))
+        return spec
 
     def _on_joined(self, event: Event) -> Optional[int]:
-        """An agent joined the running job: a lost host is back, as a spare host."""
+        """An agent joined the running job: a lost or newly admitted host, as a spare
+        host."""
         ctx, node = self._ctx, event["node"]
-        if node not in ctx.job.lost_nodes:
+        if node not in ctx.job.lost_nodes | ctx.job.admitted_nodes:
             reason = (f"node {node} is in the job already; a host rejoins only once it was "
                       "lost")
             ctx.record("join_refused", "pool", node=node, host=event["host"], reason=reason)
@@ -74,6 +124,7 @@ class HostLoss(Unit):
                            event["pid"], reason)
             return None
         ctx.job.lost_nodes.discard(node)
+        ctx.job.admitted_nodes.discard(node)
         ctx.job.nodes.add(node)
         self._agents.watch(node)
         if ctx.attempt.failed:

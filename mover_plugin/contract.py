@@ -173,6 +173,9 @@ EVENTS: Mapping[str, EventSchema] = {
     "hung": EventSchema({"rank": OPTIONAL_INT, "silent_s": NUMBER}),
     "standby_ready": EventSchema({"standby": str}),
     "standby_exit": EventSchema({"standby": str, "returncode": int, "how": str}),
+    # posted by the mover-launch --join of a host that asks to join (it has no node yet)
+    "join_request": EventSchema({"host": str, "slots": int, "pid": int, "token": str},
+                                from_agent=False),
     # posted by a worker or standby through its control client
     "standby_warmed": EventSchema({"standby": str}, from_agent=False),
     "left_step": EventSchema({"rank": int, "generation": int}, from_agent=False),

@@ -770,8 +770,9 @@ def test_a_lost_hosts_ranks_go_together_to_the_spare_host_in_one_generation(tmp_
     assert job.poll() == 0
 
 
-def test_a_lost_host_whose_agent_comes_back_is_a_spare_host_used_by_the_next_failure(
-        tmp_path, agent_process):
+def _host_1_lost(tmp_path, agent_process) -> Job:
+    """:func:`_spare_job` after host 1 was lost: its ranks train on the spare host's standbys
+    in generation 1, whose first step is done."""
     job = _spare_job(tmp_path, agent_process)
     _kill(agent_process)
     job.poll()
@@ -782,6 +783,21 @@ def test_a_lost_host_whose_agent_comes_back_is_a_spare_host_used_by_the_next_fai
         job.agent(0 if rank < 2 else 2, "first_step", rank=rank, step=7, time=time.time())
     job.agent(2, "node_busy")
     job.poll()
+    return job
+
+
+def _fail_rank_2_on_the_spare_host(job: Job) -> list[dict]:
+    """Rank 2's process, a promoted standby of the spare host, exits; the promotions."""
+    job.agent(2, "worker_exit", rank=2, returncode=-9, how="signal SIGKILL", step_begun=9,
+              step_completed=8, standby="a0.n2.s0", last_step_end=time.time(),
+              last_step_duration=0.2)
+    assert job.poll() is None
+    return [c for c in job.commands() if c["op"] == "promote"]
+
+
+def test_a_lost_host_whose_agent_comes_back_is_a_spare_host_used_by_the_next_failure(
+        tmp_path, agent_process):
+    job = _host_1_lost(tmp_path, agent_process)
     # a second agent of a host in the job is refused
     job.agent(0, "joined", attempt=-1, host="host0", nproc=2, pid=300)
     job.poll()
@@ -802,12 +818,47 @@ def test_a_lost_host_whose_agent_comes_back_is_a_spare_host_used_by_the_next_fai
         job.agent(1, "standby_ready", standby=standby)
     job.poll()
     # the next failure, a rank now on the spare host, takes a standby of the host that came back
-    job.agent(2, "worker_exit", rank=2, returncode=-9, how="signal SIGKILL", step_begun=9,
-              step_completed=8, standby="a0.n2.s0", last_step_end=time.time(),
-              last_step_duration=0.2)
+    assert _fail_rank_2_on_the_spare_host(job) == [
+        {"op": "promote", "standby": "a0.n1.j0", "rank": 2, "migration": False}]
+
+
+def test_a_host_that_asks_to_join_is_admitted_as_a_spare_host_used_by_the_next_failure(
+        tmp_path, agent_process):
+    """mover-launch --join: a host not in the hostfile gets the next node; one named like the
+    lost host, with its slots, gets that node back; their agents join as spare hosts'."""
+    job = _host_1_lost(tmp_path, agent_process)
+    job.worker("join_request", attempt=-1, host="host9", slots=1, pid=400, token="t9")
+    job.worker("join_request", attempt=-1, host="host1", slots=2, pid=401, token="t1")
+    job.poll()
+    new, back = job.commands()
+    assert new["op"] == back["op"] == "admit" and (new["token"], back["token"]) == ("t9", "t1")
+    assert new["node"] == {"node_rank": 3, "host": "host9", "nproc": 0, "first_rank": 4,
+                           "spare_slots": 1}
+    assert back["node"] == {"node_rank": 1, "host": "host1", "nproc": 2, "first_rank": 2,
+                            "spare_slots": 0}
+    assert new["world_size"] == 4 and new["command"] == list(job.config.worker_command)
+    assert [e["node"] for e in job.log("host_admitted")] == [3, 1]
+    job.agent(3, "joined", attempt=-1, host="host9", nproc=0, pid=400)
+    job.poll()
+    (rejoin,) = job.commands()
+    assert rejoin["op"] == "rejoin" and rejoin["node"] == 3 and rejoin["standbys"] == ["a0.n3.j0"]
+    job.agent(3, "node_done", steps_completed=None, workers=[])
+    job.agent(3, "standby_ready", standby="a0.n3.j0")
+    job.poll()
+    assert job.request("status", "s1")["standby_target"] == 3
+    assert _fail_rank_2_on_the_spare_host(job) == [
+        {"op": "promote", "standby": "a0.n3.j0", "rank": 2, "migration": False}]
+
+
+def test_a_restart_policy_job_refuses_a_host_that_asks_to_join(tmp_path):
+    job = Job(tmp_path, policy="restart", standbys=0)
+    job.commands()
+    job.worker("join_request", attempt=-1, host="host9", slots=2, pid=400, token="t9")
     assert job.poll() is None
-    promotes = [c for c in job.commands() if c["op"] == "promote"]
-    assert promotes == [{"op": "promote", "standby": "a0.n1.j0", "rank": 2, "migration": False}]
+    (refused,) = job.commands()
+    assert refused["op"] == "join_refused" and refused["token"] == "t9"
+    assert "--policy restart" in refused["reason"]
+    assert len(job.log("join_refused")) == 1 and len(job.config.nodes) == 2
 
 
 def test_a_silent_agent_loses_its_host_after_the_agent_timeout(tmp_path, agent_process):

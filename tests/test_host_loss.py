@@ -8,8 +8,8 @@ their own, host 1's link taken down: its processes live on and hear nothing). Ei
 controller finds the host silent for the agents' heartbeat timeout and hands both its ranks to
 the spare host's standbys in one generation; host 0's workers train on in their processes (the
 alarm reached them within their failure timeout), and the result is the failure-free run's, bit
-for bit. Started again, the SIGKILLed host's mover-launch joins the running job as a spare host,
-and one of its standbys takes the next rank lost.
+for bit. A host not in the hostfile joins the running job (mover-launch --join) as a spare host,
+as does the SIGKILLed host's mover-launch started again; their standbys take the next ranks lost.
 """
 
 from __future__ import annotations
@@ -31,13 +31,14 @@ from netns import can_make_namespaces, namespace_hosts
 
 pytest.importorskip("megatron.core")
 
-TP2 = ["--num-layers", "2", "--tensor-model-parallel-size", "2", "--train-iters", "250"]
-"""Two layers, and steps enough for host 1 to come back, and be used, before training ends."""
+TP2 = ["--num-layers", "2", "--tensor-model-parallel-size", "2", "--train-iters", "350"]
+"""Two layers, and steps enough for a new host to join and host 1 to come back, each used in
+turn, before training ends."""
 
 
 @pytest.fixture(scope="module")
 def reference_tp2():
-    """TP2 x PP1 x DP2, 250 steps, no interruption."""
+    """TP2 x PP1 x DP2, 350 steps, no interruption."""
     result = pretrain(*TP2)
     assert result.returncode == 0, result.output[-4000:]
     return result
@@ -47,8 +48,10 @@ class ThreeHosts:
     """The job's three mover-launch processes, its event log and summary."""
 
     def __init__(self, tmp_path: Path, processes: list[subprocess.Popen],
-                 commands: dict[int, list[str]]) -> None:
+                 commands: dict[int, list[str]], port: int) -> None:
         self.tag = tmp_path.name
+        self.port = port
+        """The controller's store port on host 0."""
         self.events_path = tmp_path / "events.jsonl"
         self.summary_path = tmp_path / "summary.json"
         self.processes = processes
@@ -88,7 +91,7 @@ def three_hosts(tmp_path: Path, addresses: list[str],
         port = probe.getsockname()[1]
     common = [*LAUNCH, "--hostfile", str(hostfile), "--master-addr", addresses[0],
               "--master-port", str(port), "--policy", "resilient", "--standbys", "0",
-              "--stop-grace-s", "2"]
+              "--stop-grace-s", "2", "--refill-delay-s", "600"]  # no refill competes for CPU
     script = [EXAMPLE, *MODEL, *TP2, "--resilient"]
     own = {0: ["--summary", str(tmp_path / "summary.json"),
                "--event-log", str(tmp_path / "events.jsonl")]}
@@ -97,7 +100,8 @@ def three_hosts(tmp_path: Path, addresses: list[str],
     with ExitStack() as stack:
         processes = {node: stack.enter_context(background_job(command, tmp_path.name))
                      for node, command in commands.items()}
-        job = ThreeHosts(tmp_path, [processes[0], processes[1], processes[2]], commands)
+        job = ThreeHosts(tmp_path, [processes[0], processes[1], processes[2]], commands,
+                         port)
         job.wait_for(lambda es: any(e["event"] == "steps" and e["steps"][-1][0] >= 5
                                     for e in es))
         yield job
@@ -121,7 +125,7 @@ def _check_recovered_by_the_spare_host(job: ThreeHosts, output: str, reference, 
     assert len(promotes) == 2 + len(then)
     assert not [e for e in events if e["event"] in ("fallback", "restart", "worker_error")]
     summary = json.loads(job.summary_path.read_text())
-    assert summary["restarts"] == 0 and summary["steps_completed"] == 250
+    assert summary["restarts"] == 0 and summary["steps_completed"] == 350
     item = summary["interruptions"][0]
     assert len(summary["interruptions"]) == 1 + len(then)
     assert item["kind"] == "host_loss" and item["ranks"] == [2, 3]
@@ -131,10 +135,16 @@ def _check_recovered_by_the_spare_host(job: ThreeHosts, output: str, reference, 
     assert item["downtime_s"] is not None and item["downtime_s"] > 0
 
 
+def _joined_standbys_ready(count: int) -> Callable[[list[dict]], bool]:
+    return lambda es: sum(e["event"] == "standby_ready" and ".j" in e["standby"]
+                          for e in es) == count
+
+
 def test_a_host_sigkilled_with_its_agent_is_replaced_by_the_spare_host_and_comes_back(
         tmp_path, reference_tp2):
-    """... and host 1's mover-launch started again joins the running job as a spare host,
-    whose standby then takes rank 2 when its process is SIGKILLed."""
+    """... then a host not in the hostfile joins (mover-launch --join, one slot), and its
+    standby takes rank 2 when that process is SIGKILLed; host 1's mover-launch started again
+    joins as a spare host too, and one of its standbys takes rank 3 when that one is."""
     with three_hosts(tmp_path, ["127.0.0.1", "127.0.0.2", "127.0.0.3"],
                      lambda node, argv: argv) as job:
         survivors = job.ranks_0_and_1()
@@ -144,20 +154,33 @@ def test_a_host_sigkilled_with_its_agent_is_replaced_by_the_spare_host_and_comes
             os.kill(pid, signal.SIGKILL)
         job.wait_for(lambda es: any(e["event"] == "resumed" for e in es))
         assert job.ranks_0_and_1() == survivors
-        with background_job(job.commands[1], job.tag) as back:
-            job.wait_for(lambda es: sum(e["event"] == "standby_ready" and ".j" in e["standby"]
-                                        for e in es) == 2)
+        joining = [*LAUNCH, "--join", f"127.0.0.1:{job.port}", "--nproc-per-node", "1",
+                   "--host", "127.0.0.4"]
+        with ExitStack() as hosts:
+            new = hosts.enter_context(background_job(joining, job.tag))
+            job.wait_for(_joined_standbys_ready(1))
+            # the new host's standby is the only one ready: it takes rank 2
             os.kill(worker_pid(2, job.tag, standby="a0.n2.s0"), signal.SIGKILL)
-            output = job.run_on_after_losing_host_1(survivors, resumed=2)
+            back = hosts.enter_context(background_job(job.commands[1], job.tag))
+            job.wait_for(lambda es: sum(e["event"] == "resumed" for e in es) >= 2)
+            job.wait_for(_joined_standbys_ready(3))
+            os.kill(worker_pid(3, job.tag, standby="a0.n2.s1"), signal.SIGKILL)
+            output = job.run_on_after_losing_host_1(survivors, resumed=3)
+            new_output, _ = new.communicate(timeout=60)
             back_output, _ = back.communicate(timeout=60)
         spare_output, _ = job.processes[2].communicate(timeout=60)
         job.processes[1].wait(timeout=60)
-    _check_recovered_by_the_spare_host(job, output, reference_tp2, then=((2, "a0.n1.j"),))
+    _check_recovered_by_the_spare_host(job, output, reference_tp2,
+                                       then=((2, "a0.n3.j0"), (3, "a0.n1.j")))
+    assert new.returncode == 0, new_output[-3000:]
     assert back.returncode == 0, back_output[-3000:]
     assert job.processes[2].returncode == 0, spare_output[-3000:]
     assert job.processes[1].returncode == -signal.SIGKILL
-    (joined,) = [e for e in read_events(job.events_path) if e["event"] == "host_joined"]
-    assert joined["node"] == 1 and joined["standbys"] == ["a0.n1.j0", "a0.n1.j1"]
+    events = read_events(job.events_path)
+    (admitted,) = [e for e in events if e["event"] == "host_admitted"]
+    assert admitted["node"] == 3 and admitted["host"] == "127.0.0.4" and admitted["slots"] == 1
+    joined = {e["node"]: e["standbys"] for e in events if e["event"] == "host_joined"}
+    assert joined == {3: ["a0.n3.j0"], 1: ["a0.n1.j1", "a0.n1.j2"]}
     assert not tagged_processes(job.tag)
 
 

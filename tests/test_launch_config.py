@@ -10,7 +10,8 @@ import pytest
 import torch.distributed as dist
 
 from mover_plugin.errors import ConfigError
-from mover_plugin.launch.config import MigrationInjection, parse_injection, parse_launch_args
+from mover_plugin.launch.config import (JoinConfig, MigrationInjection, parse_injection,
+                                        parse_launch_args)
 from mover_plugin.launch.hostfile import parse_hostfile
 from mover_plugin import mailbox
 from mover_plugin.mailbox import Mailbox
@@ -112,6 +113,14 @@ def test_bad_hostfile_names_file_and_line(tmp_path, text, message):
         parse_hostfile(hostfile)
 
 
+def test_a_joining_host_names_the_controller_its_slots_and_its_name():
+    config = parse("--join", "10.0.0.1:29500", "--nproc-per-node", "4", "--host", "h4",
+                   "--join-timeout-s", "20")
+    assert config == JoinConfig(master_addr="10.0.0.1", master_port=29500, host="h4", slots=4,
+                                join_timeout_s=20.0)
+    assert parse("--join", "10.0.0.1:29500").slots == 1
+
+
 def test_injected_migrations_reach_the_agent_of_their_rank():
     config = parse("--nproc-per-node", "4", "--policy", "resilient", "--inject-migration", "1:3",
                    "--inject-migration", "3:8", "t.py")
@@ -181,6 +190,13 @@ def test_injection_forms():
          "failure timeout (--resilient-failure-timeout-s 2.5)"),
         (["--policy", "resilient", "--slow-rank-factor", "2", "--slow-rank-steps", "0", "t.py"],
          "'0' is not a positive integer"),
+        (["--nproc-per-node", "2"], "no training script given"),
+        (["--join", "10.0.0.1"], "'10.0.0.1' is not ADDR:PORT (e.g. 10.0.0.1:29500)"),
+        (["--join", "10.0.0.1:29500", "t.py"], "--join 10.0.0.1:29500 takes the job's script "
+         "and settings from its controller: drop 't.py'"),
+        (["--join", "10.0.0.1:29500", "--standbys", "2"], "drop --standbys (a joining host "
+         "takes only --nproc-per-node, --host and --join-timeout-s)"),
+        (["--host", "h4", "t.py"], "--host h4 names a host that joins a running job"),
     ],
 )
 def test_bad_launcher_flags(argv, message):
