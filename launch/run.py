@@ -10,6 +10,10 @@ Megatron-LM's ``megatron.training``, its CPU stand-ins and hooks
 (:mod:`mover_plugin.megatron.training_loop`). A script that
 imports no such framework runs unchanged, and nothing is imported before it needs it.
 
+When the script ends while a thread is still blocked in the wait of an operation abandoned with
+its group, the process skips the interpreter's teardown, which that thread would abort
+(:func:`mover_plugin.runtime.exits.end_of_script`).
+
 Under ``torchrun`` the same module gives the same behaviour::
 
     torchrun --nproc-per-node 4 -m mover_plugin.launch.run pretrain_gpt.py <Megatron-LM flags>
@@ -115,6 +119,20 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         print(USAGE, file=sys.stderr)
         sys.exit(2)
     install_framework_hooks()
+    try:
+        _run(argv)
+    except SystemExit as end:
+        _end_of_script(_exit_status(end.code))
+        raise
+    except BaseException:
+        if _blocked_waits():
+            sys.excepthook(*sys.exc_info())
+            _end_of_script(1)
+        raise
+    _end_of_script(0)
+
+
+def _run(argv: list[str]) -> None:
     if argv[0] == "-m":
         sys.argv = [argv[1], *argv[2:]]
         runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
@@ -123,6 +141,34 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     sys.argv = argv
     sys.path[0] = os.path.dirname(os.path.abspath(script))
     runpy.run_path(script, run_name="__main__")
+
+
+def _blocked_waits() -> int:
+    """Threads blocked in the wait of an abandoned operation (none without mover's groups)."""
+    if "mover_plugin.comm.context" not in sys.modules:
+        return 0
+    from mover_plugin.comm.work import blocked_waits
+
+    return blocked_waits()
+
+
+def _end_of_script(status: int) -> None:
+    """Skips the interpreter's teardown when an abandoned operation still blocks a thread
+    (:func:`mover_plugin.runtime.exits.end_of_script`); otherwise returns."""
+    if _blocked_waits():
+        from mover_plugin.runtime.exits import end_of_script
+
+        end_of_script(status)
+
+
+def _exit_status(code: Any) -> int:
+    """The exit status ``sys.exit(code)`` gives (a message is printed, as Python does)."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

@@ -72,6 +72,30 @@ def test_sigkill_of_any_rank_is_survived_exactly(tmp_path, reference_pp2, rank, 
     assert joiner["adopted"] is True
 
 
+PP3 = ["--pipeline-model-parallel-size", "3", "--num-layers", "3", "--train-iters", "8"]
+SIX = ["--nproc-per-node", "6"]
+
+
+def test_a_first_stage_rank_of_a_three_stage_pipeline_is_survived_exactly(tmp_path):
+    """TP1 x PP3 x DP2, rank 0 SIGKILLed: the standby adopts the first stage it kept (of the
+    three it played). The last stage's rank 4 was waiting for stage 1's activations in the
+    aborted generation, a receive its peer never completes there: its process still ends with
+    exit status 0 (the interpreter's teardown, which that wait would abort, is skipped)."""
+    reference = pretrain(*PP3, launcher_flags=SIX)
+    assert reference.returncode == 0, reference.output[-4000:]
+    result, summary, events = resilient_run(tmp_path, "0:5", script_flags=[*PP3, "--resilient"],
+                                            extra=SIX)
+    assert digest(result) == digest(reference)
+    assert "terminate called" not in result.output
+    (interruption,) = summary["interruptions"]
+    check_standby_recovery(interruption, events, 0, world_size=6)
+    assert summary["restarts"] == 0 and summary["steps_completed"] == 8
+    (warmed,) = [e for e in events if e["event"] == "standby_warmed"]
+    assert warmed["kept"] == ["first", "last", "middle"]
+    (joiner,) = [e for e in events if e["event"] == "switched" and e["role"] == "joiner"]
+    assert joiner["adopted"] is True
+
+
 def test_a_kill_and_a_hang_with_two_standbys_are_both_survived(tmp_path, reference_pp2):
     """Two failures in one run: rank 1 killed (SIGKILL), later rank 2 hung (SIGSTOP: found by
     its missing heartbeats, killed and replaced)."""

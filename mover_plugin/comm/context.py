@@ -86,6 +86,13 @@ class WaiterPool:
         """Threads started so far (idle or busy)."""
         return self._threads
 
+    @property
+    def busy(self) -> int:
+        """Threads blocked in a backend ``wait()`` (or about to be): an operation abandoned
+        when its group was shut down keeps its thread until the backend gives up."""
+        with self._lock:
+            return self._threads - self._idle
+
 
 @dataclass(eq=False)
 class WaitState:

@@ -54,6 +54,12 @@ def _waits() -> WaitState:
     return default_context().waits
 
 
+def blocked_waits() -> int:
+    """How many pool threads are blocked in a backend ``wait()`` now (at the end of training:
+    the waits of operations abandoned with their group, which a peer may end at any moment)."""
+    return _waits().pool.busy
+
+
 def waited_s() -> float:
     """Seconds the main thread (the training loop) has spent blocked in waits for operations
     of mover groups: a step's duration minus what it waited is the rank's *busy time*."""

@@ -1,5 +1,5 @@
-"""How a training process tells a lost peer from a bug of its own, and how it leaves when its
-rank lives on elsewhere.
+"""How a training process tells a lost peer from a bug of its own, how it leaves when its rank
+lives on elsewhere, and how it ends when an abandoned operation still blocks a thread.
 
 Whether an error means a lost peer is decided on what the controller knows, never on the
 error's text: the controller raises the alarm of the rank's generation once a rank is lost
@@ -13,12 +13,19 @@ rather than replacing the rank, and the error ends the process with its tracebac
 from __future__ import annotations
 
 import atexit
+import gc
+import io
+import logging
 import os
 import sys
+import threading
 import traceback
 
 from mover_plugin.comm import CollectiveAborted
 from mover_plugin.comm.alarm import wait_for_alarm
+from mover_plugin.comm.work import blocked_waits
+
+logger = logging.getLogger(__name__)
 
 
 def is_lost_peer(error: BaseException, grace_s: float) -> bool:
@@ -39,10 +46,42 @@ def describe_error(error: BaseException, limit: int = 4000) -> dict[str, str]:
 
 def exit_now(status: int = 0) -> None:
     """Ends a process whose rank lives on elsewhere (a leaver, or a joiner whose hand-over
-    failed) or that cannot go on. ``atexit`` callbacks run and output is flushed, but the
-    interpreter's teardown is skipped: for a training process it takes seconds of CPU that the
-    ranks still training on this host can use better."""
+    failed) or that cannot go on. ``atexit`` callbacks run and every open file is flushed, but
+    the interpreter's teardown is skipped: for a training process it takes seconds of CPU that
+    the ranks still training on this host can use better."""
     atexit._run_exitfuncs()
+    _flush_open_files()
+    os._exit(status)
+
+
+def end_of_script(status: int) -> None:
+    """The training script ended with exit status ``status``. Returns, for the interpreter's
+    usual teardown, unless a thread is still blocked in the backend wait of an operation
+    abandoned with its group (a receive from a peer that went on in a new generation): the
+    peer's exit ends that wait at any moment, and a thread that wakes during the teardown
+    cannot take the interpreter back; CPython 3.12 then ends it by unwinding its C++ frames,
+    which aborts the process (SIGABRT, "terminate called without an active exception"). In that
+    case the process waits for its other non-daemon threads, as the teardown would, and leaves
+    through :func:`exit_now` with ``status``."""
+    blocked = blocked_waits()
+    if not blocked:
+        return
+    logger.info("%d wait(s) of abandoned operations still blocked at the end of the script; "
+                "exiting without the interpreter's teardown", blocked)
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    exit_now(status)
+
+
+def _flush_open_files() -> None:
+    """Flushes every open file object (what the interpreter's teardown would write out)."""
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(status)
+    for item in gc.get_objects():
+        if isinstance(item, io.IOBase):
+            try:
+                if not item.closed and item.writable():
+                    item.flush()
+            except (OSError, ValueError):
+                pass  # closed underneath, or not flushable: nothing to write out
