@@ -7,7 +7,9 @@ token of its own) and waits for the controller's answer, a command that carries 
 * ``admit``: the host is node ``node`` of the job, a spare host (a lost host of the same name
   and slot count gets its node back; any other host gets the next free node rank). The
   command carries what an agent needs that only the job knows: its world size, the workers'
-  command line, the stop grace and whether busy times are reported. The agent then joins like
+  command line, the standbys the host starts when a restart places ranks on it (``--standbys``,
+  or on a spare host one per slot no worker uses), the stop grace and whether busy times are
+  reported. The agent then joins like
   a lost host's agent started again (:mod:`mover_plugin.launch.host_loss`): it starts one
   standby per slot, which join the pool and are taken first.
 * ``join_refused``: the job takes no host (a restart policy job has no standbys to place
@@ -54,7 +56,7 @@ def run_joining_host(config: JoinConfig) -> int:
     agent = AgentConfig(node=node, world_size=answer["world_size"],
                         master_addr=config.master_addr, master_port=config.master_port,
                         command=tuple(answer["command"]), stop_grace_s=answer["stop_grace_s"],
-                        standbys=node.spare_slots, report_busy=answer["report_busy"])
+                        standbys=answer["standbys"], report_busy=answer["report_busy"])
     return Agent(agent, store).run()
 
 
