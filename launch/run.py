@@ -121,15 +121,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     install_framework_hooks()
     try:
         _run(argv)
-    except SystemExit as end:
-        _end_of_script(_exit_status(end.code))
+    except BaseException as end:  # SystemExit included: the script's exit status
+        _end_of_script(end)
         raise
-    except BaseException:
-        if _blocked_waits():
-            sys.excepthook(*sys.exc_info())
-            _end_of_script(1)
-        raise
-    _end_of_script(0)
+    _end_of_script(None)
 
 
 def _run(argv: list[str]) -> None:
@@ -143,32 +138,14 @@ def _run(argv: list[str]) -> None:
     runpy.run_path(script, run_name="__main__")
 
 
-def _blocked_waits() -> int:
-    """Threads blocked in the wait of an abandoned operation (none without mover's groups)."""
-    if "mover_plugin.comm.context" not in sys.modules:
-        return 0
-    from mover_plugin.comm.work import blocked_waits
-
-    return blocked_waits()
-
-
-def _end_of_script(status: int) -> None:
+def _end_of_script(end: Optional[BaseException]) -> None:
     """Skips the interpreter's teardown when an abandoned operation still blocks a thread
-    (:func:`mover_plugin.runtime.exits.end_of_script`); otherwise returns."""
-    if _blocked_waits():
+    (:func:`mover_plugin.runtime.exits.end_of_script`; nothing to check without mover's
+    groups); otherwise returns."""
+    if "mover_plugin.comm.context" in sys.modules:
         from mover_plugin.runtime.exits import end_of_script
 
-        end_of_script(status)
-
-
-def _exit_status(code: Any) -> int:
-    """The exit status ``sys.exit(code)`` gives (a message is printed, as Python does)."""
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return code
-    print(code, file=sys.stderr)
-    return 1
+        end_of_script(end)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import os
 import sys
 import threading
 import traceback
+from typing import Optional
 
 from mover_plugin.comm import CollectiveAborted
 from mover_plugin.comm.alarm import wait_for_alarm
@@ -54,24 +55,39 @@ def exit_now(status: int = 0) -> None:
     os._exit(status)
 
 
-def end_of_script(status: int) -> None:
-    """The training script ended with exit status ``status``. Returns, for the interpreter's
-    usual teardown, unless a thread is still blocked in the backend wait of an operation
-    abandoned with its group (a receive from a peer that went on in a new generation): the
-    peer's exit ends that wait at any moment, and a thread that wakes during the teardown
-    cannot take the interpreter back; CPython 3.12 then ends it by unwinding its C++ frames,
-    which aborts the process (SIGABRT, "terminate called without an active exception"). In that
-    case the process waits for its other non-daemon threads, as the teardown would, and leaves
-    through :func:`exit_now` with ``status``."""
+def end_of_script(end: Optional[BaseException] = None) -> None:
+    """The training script ended: normally (``end`` None), by ``SystemExit`` or by an uncaught
+    error. Returns, for the interpreter's usual teardown, unless a thread is still blocked in
+    the backend wait of an operation abandoned with its group (a receive from a peer that went
+    on in a new generation): the peer's exit ends that wait at any moment, and a thread that
+    wakes during the teardown cannot take the interpreter back; CPython 3.12 then ends it by
+    unwinding its C++ frames, which aborts the process (SIGABRT, "terminate called without an
+    active exception"). In that case the process reports ``end`` as Python would (an error's
+    traceback, a ``sys.exit`` message), waits for its other non-daemon threads, as the teardown
+    would, and leaves through :func:`exit_now` with the exit status Python would give."""
     blocked = blocked_waits()
     if not blocked:
         return
     logger.info("%d wait(s) of abandoned operations still blocked at the end of the script; "
                 "exiting without the interpreter's teardown", blocked)
+    status = _exit_status(end)
     for thread in threading.enumerate():
         if thread is not threading.current_thread() and not thread.daemon:
             thread.join()
     exit_now(status)
+
+
+def _exit_status(end: Optional[BaseException]) -> int:
+    """The exit status Python gives a script that ended with ``end``, printing what it would."""
+    if end is None:
+        return 0
+    if not isinstance(end, SystemExit):
+        sys.excepthook(type(end), end, end.__traceback__)
+        return 1
+    if end.code is None or isinstance(end.code, int):
+        return end.code or 0
+    print(end.code, file=sys.stderr)
+    return 1
 
 
 def _flush_open_files() -> None:
