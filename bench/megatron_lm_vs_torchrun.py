@@ -15,7 +15,10 @@ every iteration) runs these ways, ``--repeats`` times each, interleaved:
   other here: docs/benchmarks.md);
 * ``mover-launch --policy resilient --standbys 1`` with ``--resilient``: without a failure, with
   rank 3 SIGKILLed when it begins iteration 6, and with rank 1 moved to the standby at iteration
-  6 (``--inject-migration 1:6``, as ``mover migrate --rank 1`` asks).
+  6 (``--inject-migration 1:6``, as ``mover migrate --rank 1`` asks). The standby warms up in
+  the sandbox and adopts the objects of the rank's stage; with ``--cold-standby`` the crash and
+  the migration also run with a standby that does not warm up
+  (``--resilient-standby-shadow-iterations 0``: it builds its model once promoted).
 
 Printed: each way's downtime (the interrupted run's wall time minus the median failure-free
 wall time of the same launcher and policy; for mover-launch also the run summary's own measure,
@@ -65,6 +68,9 @@ MODES = ("torchrun-clean", "restart-clean", "restart-crash", "mover-clean", "mov
          "mover-migration")
 INJECTIONS = {"clean": [], "crash": ["--inject-failure", f"{RANK}:{ITERATION}"],
               "migration": ["--inject-migration", f"1:{ITERATION}"]}
+COLD_MODES = ("cold-crash", "cold-migration")
+"""With ``--cold-standby``: the resilient crash and migration with a standby that does not
+warm up."""
 
 
 def checkpoint_flags(folder: Path) -> list[str]:
@@ -129,10 +135,13 @@ def _descendants(root: int) -> list[int]:
     return found
 
 
-def run_mover(folder: Path, policy: str, injection: list[str]) -> dict:
-    """mover-launch with ``policy`` (resilient: one standby and ``--resilient``)."""
+def run_mover(folder: Path, policy: str, injection: list[str], warm: bool = True) -> dict:
+    """mover-launch with ``policy`` (resilient: one standby and ``--resilient``; without
+    ``warm``, a standby that does not warm up)."""
     if policy == "resilient":
         options, resilient = ["--policy", "resilient", "--standbys", "1"], ["--resilient"]
+        if not warm:
+            resilient += ["--resilient-standby-shadow-iterations", "0"]
     else:
         options, resilient = ["--policy", "restart", "--max-restarts", "1"], []
     command = [*mover_launch_command(folder, 4, *options, "--stop-grace-s", "2", *injection),
@@ -148,8 +157,14 @@ def run_mode(mode: str, folder: Path) -> dict:
     launcher, interruption = mode.split("-")
     if launcher == "torchrun":
         return run_torchrun(folder, crash=interruption == "crash")
-    return run_mover(folder, "resilient" if launcher == "mover" else "restart",
-                     INJECTIONS[interruption])
+    return run_mover(folder, "restart" if launcher == "restart" else "resilient",
+                     INJECTIONS[interruption], warm=launcher != "cold")
+
+
+def baseline_of(mode: str) -> str:
+    """The launcher whose failure-free wall time ``mode``'s downtime is measured against."""
+    launcher = mode.split("-")[0]
+    return "mover" if launcher == "cold" else launcher
 
 
 def report(runs: dict[str, list[dict]]) -> None:
@@ -164,8 +179,7 @@ def report(runs: dict[str, list[dict]]) -> None:
     print(f"failure-free wall time (median): torchrun {clean['torchrun']:.2f} s, mover-launch "
           f"--policy restart {clean['restart']:.2f} s, --policy resilient {clean['mover']:.2f} s")
     interrupted = [mode for mode in runs if not mode.endswith("clean")]
-    by_wall = {mode: [r["wall_time_s"] - clean["torchrun" if mode.startswith("torchrun")
-                                               else mode.split("-")[0]] for r in runs[mode]]
+    by_wall = {mode: [r["wall_time_s"] - clean[baseline_of(mode)] for r in runs[mode]]
                for mode in interrupted}
     medians = {mode: statistics.median(values) for mode, values in by_wall.items()}
     for mode, values in by_wall.items():
@@ -185,6 +199,12 @@ def report(runs: dict[str, list[dict]]) -> None:
         print(f"RATIO_{mode.split('-')[1].upper()} restart / resilient downtime: "
               f"{restart / statistics.median(by_summary[mode]):.1f}x by run summary, "
               f"{by_wall_ratio} by wall time (goal >= {goal}x)")
+    for cold in (mode for mode in COLD_MODES if mode in by_summary):
+        warm = f"mover-{cold.split('-')[1]}"
+        print(f"WARM_VS_COLD {cold.split('-')[1]}: downtime with a warmed-up standby / a cold "
+              f"one: {statistics.median(by_summary[warm]):.3f} / "
+              f"{statistics.median(by_summary[cold]):.3f} s = "
+              f"{statistics.median(by_summary[warm]) / statistics.median(by_summary[cold]):.2f}x")
 
 
 def main() -> None:
@@ -192,9 +212,13 @@ def main() -> None:
     add_out_argument(parser, "bench-megatron-lm")
     parser.add_argument("--torchrun-restart", action="store_true",
                         help="Also run torchrun --max-restarts 1 with rank 3 SIGKILLed.")
+    parser.add_argument("--cold-standby", action="store_true",
+                        help="Also run the resilient crash and migration with a standby that "
+                        "does not warm up.")
     args = parser.parse_args()
     out = new_out_folder(args.out)
-    modes = (*MODES, "torchrun-crash") if args.torchrun_restart else MODES
+    modes = (*MODES, *(("torchrun-crash",) if args.torchrun_restart else ()),
+             *(COLD_MODES if args.cold_standby else ()))
     runs = interleaved_in(out, modes, args.repeats, run_mode,
                           lambda result: f"{result['wall_time_s']:.2f} s")
     report(runs)

@@ -7,7 +7,8 @@ module replaces each of them with a wrapper that hands the original to the insta
 :class:`MegatronLMHooks` object. The base class passes every call straight through, so an
 installed hooks object changes only what its subclass overrides. The policy (which flags, what
 happens around a training step) lives with the caller (``mover_plugin.megatron.training_loop``);
-this module only swaps attributes, reversibly.
+this module only swaps attributes, reversibly. Each wrapper's ``__wrapped__`` is the original
+(:func:`unhooked`), for a caller that must run Megatron-LM's own function without the hooks.
 
 Hook points (each checked on megatron-core 0.19.2 with ``pretrain_gpt.py`` at core_v0.19.0):
 
@@ -17,6 +18,8 @@ Hook points (each checked on megatron-core 0.19.2 with ``pretrain_gpt.py`` at co
 - ``parse_and_validate_args`` in ``megatron.training.arguments`` (bound by name when the
   script's module code runs, so the hooks must be installed before):
   :meth:`MegatronLMHooks.around_arguments`.
+- ``pretrain`` in ``megatron.training.training`` and its re-export in ``megatron.training``
+  (called by the script): :meth:`MegatronLMHooks.around_pretrain`.
 - ``_initialize_distributed`` in ``megatron.training.initialize`` (called by
   ``initialize_megatron``): :meth:`MegatronLMHooks.around_initialize_distributed`.
 - ``setup_model_and_optimizer``, ``build_train_valid_test_data_iterators`` and ``train`` in
@@ -68,6 +71,11 @@ class MegatronLMHooks:
         """Runs ``parse_and_validate_args``; returns Megatron-LM's ``args``."""
         return parse(*args, **kwargs)
 
+    def around_pretrain(self, pretrain: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Runs ``pretrain(cfg_container, datasets_provider, model_type, forward_step_func,
+        model_provider=..., ...)``: the whole run."""
+        return pretrain(*args, **kwargs)
+
     def around_initialize_distributed(self, initialize: Callable[..., Any], *args: Any,
                                       **kwargs: Any) -> Any:
         """Runs ``_initialize_distributed(get_embedding_ranks, get_position_embedding_ranks,
@@ -109,6 +117,12 @@ def installed_hooks() -> MegatronLMHooks:
     if _installed is None:
         raise PatchError("no Megatron-LM hooks are installed (install_hooks)")
     return _installed
+
+
+def unhooked(function: Callable[..., Any]) -> Callable[..., Any]:
+    """Megatron-LM's own function behind a hook point's wrapper (``function`` itself if it is
+    not one)."""
+    return getattr(function, "__wrapped__", function)
 
 
 def install_hooks(hooks: MegatronLMHooks) -> AppliedPatches:
@@ -177,7 +191,14 @@ def _wrap(swap: AttributeSwap, module_name: str, name: str, hook: str) -> None:
     def with_hooks(*args: Any, **kwargs: Any) -> Any:
         return getattr(installed_hooks(), hook)(original, *args, **kwargs)
 
+    with_hooks.__wrapped__ = original  # type: ignore[attr-defined]
     swap.set_attr(module, name, with_hooks)
+
+
+@_hook_point("lm-pretrain", "Megatron-LM's pretrain() runs inside the installed hooks")
+def _swap_pretrain(swap: AttributeSwap) -> None:
+    _wrap(swap, "megatron.training.training", "pretrain", "around_pretrain")
+    _wrap(swap, "megatron.training", "pretrain", "around_pretrain")
 
 
 @_hook_point("lm-distributed", "Megatron-LM's distributed set-up runs inside the installed "

@@ -134,6 +134,12 @@ def switched_roles(events, generation: int) -> dict[int, str]:
             if e["event"] == "switched" and e["generation"] == generation}
 
 
+def adopted_by_rank(events) -> dict[int, bool]:
+    """For each joiner's rank, whether it trains with the objects its warm-up kept."""
+    return {e["rank"]: e["adopted"] for e in events
+            if e["event"] == "switched" and e["role"] == "joiner"}
+
+
 @pytest.mark.parametrize("rank, step", [(0, 3), (3, 4)], ids=["first-stage", "last-stage"])
 def test_a_sigkilled_rank_of_megatron_lm_is_replaced_in_place_exactly(rank, step, tmp_path,
                                                                      failure_free_pp2):
@@ -152,6 +158,13 @@ def test_a_sigkilled_rank_of_megatron_lm_is_replaced_in_place_exactly(rank, step
     assert not [e for e in events if e["event"] in ("restart", "fallback")]
     # The interrupted iteration was redone: each iteration is counted once in the log.
     assert "iteration        6/       6" in result.stdout
+    # The standby warmed up as both stages with Megatron-LM's own model set-up and
+    # train_step, and trains with the objects of the lost rank's stage.
+    (warmed,) = [e for e in events if e["event"] == "standby_warmed"]
+    assert warmed["roles"] == warmed["kept"] == ["first", "last"]
+    assert warmed["shadow_iterations"] == 2 and warmed["sandbox_operations"] > 0
+    (joiner,) = [e for e in events if e["event"] == "switched" and e["role"] == "joiner"]
+    assert joiner["adopted"] is True
 
 
 def test_megatron_lm_survives_a_migration_and_a_hang_exactly(tmp_path, failure_free_pp2):
@@ -171,6 +184,11 @@ def test_megatron_lm_survives_a_migration_and_a_hang_exactly(tmp_path, failure_f
     assert [e["how"] for e in events if e["event"] == "leaver_exit"] == ["exit code 0"]
     assert [e["rank"] for e in events if e["event"] == "hung"] == [2]
     assert not [e for e in events if e["event"] in ("restart", "fallback")]
+    # Each standby warmed up as both stages; ranks 1 (first stage) and 2 (last stage) are
+    # taken with the objects kept for their stage.
+    assert [e["kept"] for e in events if e["event"] == "standby_warmed"] == [
+        ["first", "last"]] * 2
+    assert adopted_by_rank(events) == {1: True, 2: True}
 
 
 def test_the_distributed_optimizer_continues_in_place_from_the_peer_copy(
@@ -191,6 +209,9 @@ def test_the_distributed_optimizer_continues_in_place_from_the_peer_copy(
     assert switched_roles(events, crash["generation"]) == {
         r: "joiner" if r == 1 else "survivor" for r in range(4)}
     assert not [e for e in events if e["event"] in ("rolled_back", "restart", "fallback")]
+    # A sharded optimizer's kept objects fit only tensor- and data-parallel index 0: rank 1
+    # (tensor-parallel index 1) and rank 2 (data-parallel index 1) are built on promotion.
+    assert adopted_by_rank(events) == {1: False, 2: False}
 
 
 NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0"]

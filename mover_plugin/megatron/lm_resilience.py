@@ -30,17 +30,18 @@ checkpoint (``--load``), processes kept: each loads it with Megatron-LM's own
 builds their data iterators again from the checkpoint's counters and enters ``train()`` anew,
 while the joiner goes on through ``pretrain`` from its data iterators as a started process does.
 
-Not yet on this path: the standby's warm-up in the sandbox (a standby imports and waits; a
-promoted one builds its model with Megatron-LM's own model provider), virtual pipeline stages,
-``--overlap-param-gather``, and DataLoader worker processes' effect on detection
-(``--num-workers 0`` keeps it fast).
+A standby warms up before it waits, with Megatron-LM's own model set-up and ``train_step`` in
+the sandbox (:mod:`mover_plugin.megatron.lm_standby`), and adopts the objects of the lost
+rank's role where they fit, as a Megatron-Core script's standby does.
+
+Not yet on this path: virtual pipeline stages, ``--overlap-param-gather``, and DataLoader
+worker processes' effect on detection (``--num-workers 0`` keeps it fast).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import copy
 import logging
 import os
@@ -55,6 +56,12 @@ from mover_plugin.comm.world import cover_world
 from mover_plugin.errors import LaunchError
 from mover_plugin.megatron.checkpoint import restore_rng_state
 from mover_plugin.megatron.distributed_optimizer import ensure_shard_state
+from mover_plugin.megatron.lm_standby import (
+    PretrainCall,
+    lm_warm_up,
+    megatron_state_kept,
+    without_checkpoint,
+)
 from mover_plugin.megatron.resilience import MegatronResilience
 from mover_plugin.megatron.standby import parallel_layout
 from mover_plugin.runtime.adapter import Transfer
@@ -160,10 +167,14 @@ class RolledBack(Exception):
 class MegatronLMResilience(MegatronResilience):
     """The Megatron-Core adapter, entered from Megatron-LM's hook points (module docstring)."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace,
+                 pretrain: Optional[PretrainCall] = None) -> None:
+        """``pretrain``: what the script gave Megatron-LM's ``pretrain`` (a standby warms up
+        with it; None: it stays cold)."""
         # From the flags, not kept in args: Megatron-LM pickles args into its checkpoints,
         # which must load where mover_plugin is not installed.
         super().__init__(args, ResilienceSettings.from_args(args))
+        self._pretrain = pretrain
         self._initialize: Callable[[], Any] = lambda: None
         self._local: Any = None
         """A joiner's ``local-collectives`` patches, applied until its first iteration."""
@@ -193,30 +204,48 @@ class MegatronLMResilience(MegatronResilience):
     # -- Megatron-LM's hook points -------------------------------------------------------
 
     def start_distributed(self, initialize: Callable[[], Any]) -> None:
-        """``_initialize_distributed`` under the runtime: a standby waits for its rank; then
-        the generation's default group and Megatron-LM's own groups (``initialize()``)."""
+        """``_initialize_distributed`` under the runtime: a standby warms up and waits for its
+        rank; then the generation's default group and Megatron-LM's own groups
+        (``initialize()``)."""
         runtime, args = self.runtime, self.args
-        if runtime.is_standby:
-            runtime.wait_for_promotion()
-        args.rank = runtime.rank
         self._initialize = initialize
         self._parallel_kwargs = {
             "tensor_model_parallel_size": args.tensor_model_parallel_size,
             "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
             "create_gloo_process_groups": False,
         }
+        if runtime.is_standby:
+            self._warm_up_in_sandbox()
+            runtime.wait_for_promotion()
+        args.rank = runtime.rank
         runtime.init_distributed(parallel_layout(runtime.world_size, self._parallel_kwargs))
         if self.is_joiner:
             self._local = _local_collectives()
 
+    def _warm_up_in_sandbox(self) -> None:
+        if self._pretrain is None:
+            logger.info("the script did not enter Megatron-LM's pretrain(): the standby stays "
+                        "cold")
+            return
+        if self.runtime.settings.standby_shadow_iterations <= 0:
+            return
+        with megatron_state_kept(self.args):
+            self._warm_up(lm_warm_up(self.args, self._pretrain, self._initialize,
+                                     self._parallel_kwargs))
+
     def setup(self, setup: Callable[[], Any]) -> Any:
-        """``setup_model_and_optimizer`` (a joiner's without the checkpoint), then the commit
-        gate; a rank that started with the job begins at the loaded iteration."""
-        if self.is_joiner:
-            with _without_checkpoint(self.args):
-                model, optimizer, scheduler = setup()
-        else:
+        """``setup_model_and_optimizer`` (a joiner adopts its warmed-up role's objects, or
+        builds without the checkpoint), then the commit gate; a rank that started with the
+        job begins at the loaded iteration."""
+        if not self.is_joiner:
             model, optimizer, scheduler = setup()
+        elif (adopted := self.adopt_warmed()) is not None:
+            model, optimizer, scheduler = adopted
+            # What Megatron-LM's set-up writes without a checkpoint; the twin's come next.
+            self.args.iteration, self.args.num_floating_point_operations_so_far = 0, 0
+        else:
+            with without_checkpoint(self.args):
+                model, optimizer, scheduler = setup()
         self.attach(model, optimizer, scheduler)
         if not self.is_joiner:
             self.runtime.begin(self.args.iteration)
@@ -447,18 +476,3 @@ def _local_collectives() -> Any:
     from mover_plugin.patches import apply_patches
 
     return apply_patches("local-collectives")
-
-
-@contextlib.contextmanager
-def _without_checkpoint(args: argparse.Namespace) -> Iterator[None]:
-    """A joiner builds its model without loading Megatron-LM's checkpoint: its state comes
-    from its twin."""
-    names = ("load", "pretrained_checkpoint")
-    saved = {name: getattr(args, name, None) for name in names}
-    for name in names:
-        setattr(args, name, None)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(args, name, value)

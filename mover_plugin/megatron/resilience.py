@@ -163,21 +163,27 @@ class MegatronResilience:
         :meth:`initialize_distributed`. A promoted standby adopts the model it warmed up when
         its role is this rank's, and otherwise builds with its collectives kept local (their
         results are overwritten by the state it receives from its twin)."""
-        runtime = self.runtime
-        if runtime.joiner_of is None:
+        if self.runtime.joiner_of is None:
             return build()
-        warmed, self._warmed = self._warmed, None
-        if warmed is not None:
-            objects = warmed.adopt(runtime.rank,
-                                   parallel_layout(runtime.world_size, self._parallel_kwargs))
-            del warmed
-            if objects is not None:
-                self._adopted = True
-                return objects
+        objects = self.adopt_warmed()
+        if objects is not None:
+            return objects
         from mover_plugin.patches import apply_patches
 
         with apply_patches("local-collectives"):
             return build()
+
+    def adopt_warmed(self) -> Optional[TrainingObjects]:
+        """A promoted standby's objects of this rank's role kept from its warm-up, moved onto
+        this generation's groups; None when it kept none that fits (it then builds). Every
+        other kept role is released either way."""
+        warmed, self._warmed = self._warmed, None
+        if warmed is None:
+            return None
+        objects = warmed.adopt(self.runtime.rank,
+                               parallel_layout(self.runtime.world_size, self._parallel_kwargs))
+        self._adopted = objects is not None
+        return objects
 
     def attach(self, model: Any, optimizer: Any, scheduler: Any) -> None:
         """Registers the training objects and puts the commit gate before every update."""
@@ -397,6 +403,9 @@ class MegatronResilience:
     def load_state(self, state: dict[str, Any], transfer: Transfer) -> None:
         self._optimizer.load_state_dict(state["optimizer"])
         restore_step_counters(self._optimizer)
+        # Megatron-Core's scheduler loads its state by stepping on from where it is, and a
+        # warmed-up standby's has stepped in its shadow iterations.
+        self._scheduler.num_steps = 0
         self._scheduler.load_state_dict(state["scheduler"])
         forget_agreed_flags(self._optimizer)
 

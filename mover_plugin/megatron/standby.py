@@ -62,15 +62,21 @@ class StandbyWarmUp:
     """What a training script gives the runtime so that its standbys warm up.
 
     Attributes:
-        parallel: the keyword arguments of ``initialize_model_parallel``.
+        parallel: the keyword arguments of ``initialize_model_parallel`` (they give the
+            pipeline and tensor-parallel sizes, hence the roles).
         build: builds (model, optimizer, scheduler) exactly as a rank does after its groups
             exist (seeding included).
         shadow_step: runs one training iteration on those objects.
+        initialize_groups: creates a role's model-parallel groups once the sandbox's default
+            group exists (None: ``initialize_model_parallel(**parallel)``; a framework that
+            creates its groups itself, such as Megatron-LM's ``_initialize_distributed``,
+            passes its own).
     """
 
     parallel: dict[str, Any]
     build: Callable[[], TrainingObjects]
     shadow_step: Callable[[Any, Any, Any], Any]
+    initialize_groups: Optional[Callable[[], None]] = None
 
 
 @dataclass(frozen=True)
@@ -182,7 +188,10 @@ def _play_roles(plan: StandbyWarmUp, world_size: int, iterations: int) -> Warmed
         role_started = time.perf_counter()
         dist.init_process_group(SANDBOX_BACKEND, store=dist.HashStore(), rank=role.rank,
                                 world_size=world_size)
-        parallel_state.initialize_model_parallel(**plan.parallel)
+        if plan.initialize_groups is None:
+            parallel_state.initialize_model_parallel(**plan.parallel)
+        else:
+            plan.initialize_groups()
         objects = plan.build()
         for _ in range(iterations):
             plan.shadow_step(*objects)

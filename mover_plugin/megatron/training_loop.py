@@ -18,8 +18,9 @@ import of ``megatron.training``:
   the arguments are validated, before any process group exists, and at the end of ``train()``
   prints ``PARAMS_DIGEST`` when asked. With ``--resilient`` it hands Megatron-LM's distributed
   set-up, model set-up, data iterators and every ``train_step`` to the resilience runtime
-  (:class:`~mover_plugin.megatron.lm_resilience.MegatronLMResilience`): a standby takes a lost
-  rank's place inside the running loop.
+  (:class:`~mover_plugin.megatron.lm_resilience.MegatronLMResilience`): a standby, warmed up
+  with the model provider and forward step the script gave ``pretrain``, takes a lost rank's
+  place inside the running loop.
 
 ``torchrun`` users get the same behaviour with ``torchrun ... -m mover_plugin.launch.run
 pretrain_gpt.py ...``, which is how a failure-free ``torchrun`` run is compared with a
@@ -44,6 +45,7 @@ from mover_plugin.runtime.settings import ResilienceSettings, add_resilience_arg
 
 if TYPE_CHECKING:
     from mover_plugin.megatron.lm_resilience import MegatronLMResilience
+    from mover_plugin.megatron.lm_standby import PretrainCall
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +84,8 @@ class DropInHooks(MegatronLMHooks):
         self._progress: Optional[ProgressReporter] = None
         """Step reports to ``mover-launch``'s agent without ``--resilient`` (the runtime makes
         its own): for ``--inject-failure``, the restart policy's summary and hang detection."""
+        self._pretrain: Optional["PretrainCall"] = None
+        """What the script gave Megatron-LM's ``pretrain`` (a standby warms up with it)."""
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         """mover_plugin's flags on Megatron-LM's parser."""
@@ -113,6 +117,14 @@ class DropInHooks(MegatronLMHooks):
             exit_checked(bool(parsed.resilient))
         return parsed
 
+    def around_pretrain(self, pretrain: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Megatron-LM's ``pretrain``, its model type, model provider and forward step noted
+        for a standby's warm-up."""
+        from mover_plugin.megatron.lm_standby import PretrainCall
+
+        self._pretrain = PretrainCall.of(pretrain, args, kwargs)
+        return pretrain(*args, **kwargs)
+
     def around_initialize_distributed(self, initialize: Callable[..., Any], *args: Any,
                                       **kwargs: Any) -> Any:
         """With ``--resilient``: the runtime's default group (a standby waits for its rank
@@ -124,7 +136,7 @@ class DropInHooks(MegatronLMHooks):
             return initialize(*args, **kwargs)
         from mover_plugin.megatron.lm_resilience import MegatronLMResilience
 
-        self.resilience = MegatronLMResilience(megatron_args)
+        self.resilience = MegatronLMResilience(megatron_args, self._pretrain)
         self.resilience.start_distributed(lambda: initialize(*args, **kwargs))
         return None
 
