@@ -3,7 +3,8 @@
 Megatron-Core 0.19 runs on CPU with the gloo backend except for a few hard-coded CUDA
 assumptions: CUDA RNG calls, ``torch.cuda.current_device()`` used as a device, tensors created
 with ``device="cuda"``, ``torch.cuda.synchronize()``, CUDA streams, and ``'torch.cuda.*Tensor'``
-type-string checks. Each patch below removes one of them with the smallest change, and names
+type-string checks, and a distributed optimizer over torch's Adam that cannot load a checkpoint
+before its first step. Each patch below removes one of them with the smallest change, and names
 the Megatron call site that needs it (each checked on 0.19.2: without the patch, training
 TP1 x PP2 x DP2 on CPU fails at that site). Every patch is applied only while
 ``torch.cuda.is_available()`` is False (a CPU build of torch, or a CUDA build on a machine
@@ -471,3 +472,45 @@ def apply_typestr() -> Undo:
     swap = AttributeSwap()
     swap.set_attr(torch.Tensor, "type", _cuda_type_name(torch.Tensor.type))
     return swap.restore
+
+
+# --- optstate ------------------------------------------------------------------------------------
+
+
+def _with_state_for_loading(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap ``DistributedOptimizer.sharded_state_dict`` so that, when it is built for loading,
+    an optimizer without state gets one first."""
+
+    @functools.wraps(original)
+    def sharded_state_dict(self: Any, *args: Any, **kwargs: Any) -> Any:
+        loading = kwargs["is_loading"] if "is_loading" in kwargs else (
+            len(args) > 1 and bool(args[1]))
+        if loading and len(self.optimizer.state) == 0:
+            self._init_optimizer_states_with_dummy_values()
+        return original(self, *args, **kwargs)
+
+    return sharded_state_dict
+
+
+@_cpu_patch("optstate", "a distributed optimizer without state makes one before it loads a "
+            "checkpoint in the torch_dist format")
+def apply_optstate() -> Undo:
+    """Make ``DistributedOptimizer.sharded_state_dict(..., is_loading=True)`` create the
+    optimizer's state first when it has none.
+
+    Needed by Megatron-LM's ``load_checkpoint`` of a ``--use-distributed-optimizer`` checkpoint
+    in its default format (``torch_dist``) at start-up: building the sharded state dict calls
+    ``state_dict()``, which without TE or Apex (torch's Adam, as on CPU) asserts that the
+    optimizer's state has exactly one step counter, and torch's Adam has no state before its
+    first step. The state comes from Megatron-Core's own dummy step
+    (``_init_optimizer_states_with_dummy_values``, which it runs itself before Megatron-FSDP
+    loads); the load then overwrites it and the parameters it moved. Nothing changes for an
+    optimizer that has state, or outside a load.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    swap = AttributeSwap()
+    swap.set_attr(DistributedOptimizer, "sharded_state_dict",
+                  _with_state_for_loading(DistributedOptimizer.sharded_state_dict))
+    return swap.restore
+

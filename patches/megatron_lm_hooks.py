@@ -26,6 +26,8 @@ Hook points (each checked on megatron-core 0.19.2 with ``pretrain_gpt.py`` at co
   ``megatron.training.training`` (called by ``pretrain``):
   :meth:`MegatronLMHooks.around_setup`, :meth:`MegatronLMHooks.around_data_iterators` and
   :meth:`MegatronLMHooks.around_train`.
+- ``load_checkpoint`` in ``megatron.training.training`` (called by
+  ``setup_model_and_optimizer`` with ``--load``): :meth:`MegatronLMHooks.around_load`.
 - ``train_step`` and ``training_log`` in ``megatron.training.training`` (called by ``train``
   for every iteration): :meth:`MegatronLMHooks.around_train_step` and
   :meth:`MegatronLMHooks.around_training_log`.
@@ -87,6 +89,11 @@ class MegatronLMHooks:
         """Runs ``setup_model_and_optimizer(model_type, ...)``; returns (model chunks,
         optimizer, scheduler)."""
         return setup(*args, **kwargs)
+
+    def around_load(self, load: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Runs ``load_checkpoint(model, optimizer, opt_param_scheduler, ...)`` at start-up;
+        returns (iteration, floating-point operations so far)."""
+        return load(*args, **kwargs)
 
     def around_data_iterators(self, build: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Runs ``build_train_valid_test_data_iterators(provider, ...)``."""
@@ -206,6 +213,12 @@ def _swap_pretrain(swap: AttributeSwap) -> None:
 def _swap_distributed(swap: AttributeSwap) -> None:
     _wrap(swap, "megatron.training.initialize", "_initialize_distributed",
           "around_initialize_distributed")
+
+
+@_hook_point("lm-load", "Megatron-LM's start-up load_checkpoint() runs inside the installed "
+             "hooks")
+def _swap_load(swap: AttributeSwap) -> None:
+    _wrap(swap, "megatron.training.training", "load_checkpoint", "around_load")
 
 
 @_hook_point("lm-train", "Megatron-LM's model set-up, data iterators, train(), train_step() "

@@ -243,20 +243,49 @@ def test_the_restart_policy_resumes_megatron_lm_from_its_own_checkpoint_exactly(
     assert digest(result) == digest(reference)
 
 
-def test_without_a_peer_copy_every_rank_rolls_back_in_place_to_the_checkpoint(tmp_path):
+DISTRIBUTED_PP2 = [*PP2, *NO_DROPOUT, "--use-distributed-optimizer"]
+
+
+@pytest.fixture(scope="module")
+def failure_free_distributed_pp2(tmp_path_factory):
+    """TP1 x PP2 x DP2 with the distributed optimizer and no dropout, no interruption."""
+    result = mover_launch(*DISTRIBUTED_PP2, cwd=tmp_path_factory.mktemp("failure-free-distopt"))
+    assert result.returncode == 0, result.output[-4000:]
+    return result
+
+
+def test_the_restart_policy_resumes_a_distributed_optimizer_from_the_default_checkpoint(
+        tmp_path, failure_free_distributed_pp2):
+    """The same with --use-distributed-optimizer and Megatron-LM's default checkpoint format
+    (torch_dist): every restarted rank loads its optimizer shard with Megatron-LM's --load at
+    start-up (on CPU, torch's Adam: its state is created first and its step counters set from
+    the checkpoint after)."""
+    summary_path = tmp_path / "summary.json"
+    ckpt = str(tmp_path / "ckpt")
+    launcher = ["--policy", "restart", "--max-restarts", "1", "--summary", str(summary_path),
+                "--stop-grace-s", "2", "--inject-failure", "1:5"]
+    result = mover_launch(*DISTRIBUTED_PP2, "--save", ckpt, "--load", ckpt, "--save-interval",
+                          "2", launcher_flags=launcher, cwd=tmp_path)
+    assert result.returncode == 0, result.output[-5000:]
+    summary = json.loads(summary_path.read_text())
+    assert summary["restarts"] == 1 and summary["steps_completed"] == 6
+    loaded = [line for line in result.stdout.splitlines()
+              if "successfully loaded checkpoint from" in line]
+    assert len(loaded) == 1 and loaded[0].endswith("at iteration 4"), loaded
+    assert digest(result) == digest(failure_free_distributed_pp2)
+
+
+def test_without_a_peer_copy_every_rank_rolls_back_in_place_to_the_checkpoint(
+        tmp_path, failure_free_distributed_pp2):
     """The distributed optimizer with --resilient-no-peer-copy: the lost rank's shard exists
     nowhere, so every rank, processes kept, loads Megatron-LM's last checkpoint (its default
     torch_dist format, saved every 2 iterations) and trains on from iteration 4."""
-    distributed = [*PP2, *NO_DROPOUT, "--use-distributed-optimizer"]
-    (tmp_path / "reference").mkdir()
-    reference = mover_launch(*distributed, cwd=tmp_path / "reference")
-    assert reference.returncode == 0, reference.output[-4000:]
     ckpt = str(tmp_path / "ckpt")
     result, summary, events = resilient_run(
-        tmp_path, layout=distributed, injections=["--inject-failure", "1:6"],
+        tmp_path, layout=DISTRIBUTED_PP2, injections=["--inject-failure", "1:6"],
         flags=["--resilient-no-peer-copy", "--save", ckpt, "--load", ckpt,
                "--save-interval", "2"])
-    assert digest(result) == digest(reference)
+    assert digest(result) == digest(failure_free_distributed_pp2)
     assert summary["steps_completed"] == 6 and summary["restarts"] == 0
     (interruption,) = summary["interruptions"]
     assert (interruption["rank"], interruption["recovery"]) == (1, "standby")

@@ -24,15 +24,24 @@ the shard exists nowhere else.
   running rank's at the iteration it had reached). Either way every later bias correction
   would be wrong. After each load every parameter gets a counter of its own, equal to its
   group's.
+- :func:`load_with_torch_adam`: a checkpoint load of a distributed optimizer over torch's Adam
+  (Megatron-LM's start-up ``load_checkpoint``). The load writes in place into the shard's fp32
+  parameters, which are views of the model's parameters when the model trains in fp32 and
+  need grad, so it runs without autograd; the step counters are restored after. (Without
+  state before its first step, such an optimizer cannot build the sharded state dict of a
+  ``torch_dist`` load at all: the ``optstate`` patch of ``megatron-cpu``.) With TE's or Apex's
+  Adam the load is left as it is.
 
 Written for Megatron-Core 0.19's ``DistributedOptimizer`` with a torch or TE Adam.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Optional, TypeVar
 
 import torch
+
+Loaded = TypeVar("Loaded")
 
 
 def distributed_optimizers(optimizer: Any) -> list[Any]:
@@ -84,3 +93,23 @@ def restore_step_counters(optimizer: Any) -> None:
                 value = group.get("step", None)
                 state["step"] = (step.clone() if value is None
                                  else torch.full_like(step, float(value)))
+
+
+def uses_torch_adam() -> bool:
+    """Whether Megatron-Core's distributed optimizer runs torch's Adam (neither TE nor Apex is
+    installed)."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    return not distrib_optimizer.HAVE_APEX_OR_TE
+
+
+def load_with_torch_adam(load: Callable[[], Loaded], optimizer: Optional[Any]) -> Loaded:
+    """``load()`` of a checkpoint into ``optimizer`` (among others); with a distributed
+    optimizer over torch's Adam, without autograd and with its step counters restored after
+    (see the module docstring)."""
+    if optimizer is None or not uses_distributed_optimizer(optimizer) or not uses_torch_adam():
+        return load()
+    with torch.no_grad():  # in place into fp32 parameters (and views of them) that need grad
+        loaded = load()
+    restore_step_counters(optimizer)
+    return loaded

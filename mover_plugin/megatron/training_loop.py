@@ -145,6 +145,16 @@ class DropInHooks(MegatronLMHooks):
             return setup(*args, **kwargs)
         return self.resilience.setup(lambda: setup(*args, **kwargs))
 
+    def around_load(self, load: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Megatron-LM's start-up ``load_checkpoint``; with a distributed optimizer over torch's
+        Adam (no TE or Apex, as on CPU) without autograd, and its step counters set from the
+        loaded parameter groups after (:func:`~mover_plugin.megatron.distributed_optimizer.
+        load_with_torch_adam`)."""
+        from mover_plugin.megatron.distributed_optimizer import load_with_torch_adam
+
+        return load_with_torch_adam(lambda: load(*args, **kwargs),
+                                    _argument(args, kwargs, 1, "optimizer"))
+
     def around_data_iterators(self, build: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if self.resilience is not None:
             self.resilience.before_data_iterators()
