@@ -89,11 +89,9 @@ def lm_warm_up(args: argparse.Namespace, call: PretrainCall, initialize: Callabl
 
         setup = unhooked(training.setup_model_and_optimizer)
         with without_checkpoint(args):
-            model, optimizer, scheduler = setup(
-                call.model_type, model_provider_func=call.model_provider,
-                checkpointing_context={}, cfg_container=call.cfg_container,
-                pg_collection=ProcessGroupCollection.use_mpu_process_groups())
-        return model, optimizer, scheduler
+            return setup(call.model_type, model_provider_func=call.model_provider,
+                         checkpointing_context={}, cfg_container=call.cfg_container,
+                         pg_collection=ProcessGroupCollection.use_mpu_process_groups())
 
     def shadow_step(model: Any, optimizer: Any, scheduler: Any) -> Any:
         from megatron.core.pipeline_parallel import get_forward_backward_func
