@@ -8,9 +8,12 @@ default: after every step each rank sends its optimizer shard to its data-parall
 keeps it in host memory) and with ``--resilient-no-peer-copy``, alternating, ``--repeats``
 times each. A run's step time is the median over its workers of each worker's median step
 duration (the launcher's summary). Printed: every run's figure, the medians, their ratio (goal:
-<= 2 % more with the copy), the paired differences of the runs of each repeat, and the host
+<= 2 % more with the copy), the paired differences of the runs of each repeat, the host
 memory each rank spends on the copy (its own packed shard and the copy of its peer's, as the
-workers report at their end). The copy lives in host memory only: on a GPU its buffers are
+workers report at their end), and the time each rank's training thread spent in the copy per
+step (packing the shard, waiting for the last exchange before the next step) against the run's
+step time: the copy's cost on the step's critical path, measured inside the steps rather than
+as a difference of two runs, which on a shared machine the scheduling noise can swamp. The copy lives in host memory only: on a GPU its buffers are
 pinned host memory, so it uses no GPU memory by construction (this machine has no GPU).
 
 Usage::
@@ -39,8 +42,10 @@ def run_mode(folder: Path, mode: str, train_iters: int) -> dict:
     command = [*mover_launch_command(folder, 4, "--policy", "resilient", "--standbys", "1"),
                *script]
     summary = summary_with_digest(folder, run_job(command, f"{mode} run failed"))
-    summary["copy_bytes"] = {e["rank"]: e["bytes"] for e in read_events(folder)
-                             if e["event"] == "peer_copy"}
+    copies = [e for e in read_events(folder) if e["event"] == "peer_copy"]
+    summary["copy_bytes"] = {e["rank"]: e["bytes"] for e in copies}
+    summary["copy_critical_s"] = {e["rank"]: e["critical_s"] / e["exchanges"] for e in copies
+                                  if e["exchanges"]}
     return summary
 
 
@@ -66,6 +71,20 @@ def main() -> None:
     per_rank = {rank: max(c.get(rank, 0) for c in copies) for rank in range(4)}
     print("PEER_COPY_HOST_BYTES " + ", ".join(f"rank {r}: {b}" for r, b in per_rank.items()))
     print(f"no-copy runs reported a copy: {any(run['copy_bytes'] for run in runs['no-copy'])}")
+    print_critical_path(runs["peer-copy"])
+
+
+def print_critical_path(runs: list[dict]) -> None:
+    """Each rank's time in the copy per step, and the slowest rank's share of the step time
+    (each run against its own median step time; the median over the runs)."""
+    for rank in range(4):
+        per_step = [run["copy_critical_s"][rank] * 1000 for run in runs
+                    if rank in run["copy_critical_s"]]
+        print(f"rank {rank}: {joined(per_step, '.3f')} ms in the copy per step")
+    shares = [100 * max(run["copy_critical_s"].values()) / run["median_step_time_s"]
+              for run in runs]
+    print(f"PEER_COPY_CRITICAL_PATH slowest rank {statistics.median(shares):.2f} % of the step "
+          f"time ({joined(shares, '.2f')} %; goal <= 2 %)")
 
 
 if __name__ == "__main__":

@@ -173,9 +173,11 @@ class Attempts(Unit):
         return None
 
     def _on_peer_copy(self, event: Event) -> Optional[int]:
-        """A worker's host memory for the copy of a peer's optimizer shard, at its end."""
+        """A worker's host memory for the copy of a peer's optimizer shard, and the time its
+        training thread spent in the copy over how many exchanges, at its end."""
         self._ctx.record("peer_copy", "job", when=event["time"], rank=event["rank"],
-                         bytes=event["bytes"])
+                         bytes=event["bytes"], critical_s=event["critical_s"],
+                         exchanges=event["exchanges"])
         return None
 
     def _on_standby_exit(self, event: Event) -> Optional[int]:

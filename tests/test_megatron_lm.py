@@ -209,6 +209,12 @@ def test_the_distributed_optimizer_continues_in_place_from_the_peer_copy(
     assert switched_roles(events, crash["generation"]) == {
         r: "joiner" if r == 1 else "survivor" for r in range(4)}
     assert not [e for e in events if e["event"] in ("rolled_back", "restart", "fallback")]
+    # Every rank at its end reports the copy's host memory and its training thread's time in
+    # it; the survivors exchanged after each of the 6 steps.
+    copies = {e["rank"]: e for e in events if e["event"] == "peer_copy"}
+    assert sorted(copies) == [0, 1, 2, 3] and all(c["bytes"] > 0 for c in copies.values())
+    assert copies[0]["exchanges"] == copies[3]["exchanges"] == 6
+    assert all(0 < c["critical_s"] < 60 for c in copies.values())
     # A sharded optimizer's kept objects fit only tensor- and data-parallel index 0: rank 1
     # (tensor-parallel index 1) and rank 2 (data-parallel index 1) are built on promotion.
     assert adopted_by_rank(events) == {1: False, 2: False}

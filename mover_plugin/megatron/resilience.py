@@ -225,6 +225,7 @@ class MegatronResilience:
         if copy is not None:
             copy.settle()
             self.runtime.control.post("peer_copy", rank=self.runtime.rank, bytes=copy.nbytes,
+                                      critical_s=copy.critical_s, exchanges=copy.exchanges,
                                       time=time.time())
             copy.close()
         self.runtime.finish()

@@ -13,7 +13,9 @@ begins, or at the latest at the next exchange or in the recovery after a crash).
 
 On a GPU the shard is copied into pinned host buffers on a stream of its own, and the copy is
 sent from there: no GPU memory is spent on it. The host memory is two shards per rank (the
-packed own shard and the copy of the previous rank's), :attr:`PeerCopy.nbytes`.
+packed own shard and the copy of the previous rank's), :attr:`PeerCopy.nbytes`. What the copy
+adds to the training thread's time (packing, opening the ring's groups, waiting for an exchange
+to end) is summed in :attr:`PeerCopy.critical_s`.
 
 :func:`decide_continuation` is the rule the adapters apply after a crash, from every rank's
 record: continue in place when every lost rank's current shard is held by a live rank, or
@@ -22,10 +24,12 @@ else every rank rolls back to the last checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
+import time
 from datetime import timedelta
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 from torch.distributed import PrefixStore, Store
@@ -94,6 +98,11 @@ class PeerCopy:
         self._in_flight: Optional[_Exchange] = None
         self._copied: Optional[Any] = None
         """On a GPU: the event after which the own shard is in its host buffer."""
+        self.critical_s = 0.0
+        """Seconds the calls of the training thread spent in the copy (refresh, settle,
+        before_update): what the copy adds to the steps."""
+        self.exchanges = 0
+        """Exchanges started."""
 
     @property
     def nbytes(self) -> int:
@@ -114,17 +123,20 @@ class PeerCopy:
         following, previous = ring
         if following == self._rank:
             return  # no data-parallel peer
-        self._connect(generation, following, previous, shard)
-        assert self._links is not None and self._outgoing is not None
-        self._pack(shard)
-        self.held_version = -1
-        self._in_flight = _Exchange(self, version, previous)
+        with self._timed():
+            self._connect(generation, following, previous, shard)
+            assert self._links is not None and self._outgoing is not None
+            self._pack(shard)
+            self.held_version = -1
+            self._in_flight = _Exchange(self, version, previous)
+            self.exchanges += 1
 
     def before_update(self) -> None:
         """Called before the optimizer changes the shard: on a GPU, the next update waits
         until the shard has been copied out."""
         if self._copied is not None:
-            torch.cuda.current_stream().wait_event(self._copied)
+            with self._timed():
+                torch.cuda.current_stream().wait_event(self._copied)
             self._copied = None
 
     def settle(self) -> None:
@@ -133,7 +145,8 @@ class PeerCopy:
         exchange, self._in_flight = self._in_flight, None
         if exchange is None:
             return
-        error = exchange.wait()
+        with self._timed():
+            error = exchange.wait()
         if error is None:
             self.held_of, self.held_version = exchange.previous, exchange.version
             return
@@ -155,6 +168,14 @@ class PeerCopy:
             self._links = None
 
     # -- internals ------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _timed(self) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.critical_s += time.perf_counter() - start
 
     def _connect(self, generation: int, following: int, previous: int,
                  shard: Sequence[torch.Tensor]) -> None:
