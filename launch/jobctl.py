@@ -10,6 +10,7 @@ under the request's own key. The ``mover`` console script is a thin layer over i
     mover migrate --rank 3 --no-wait  # return once the controller accepted the request
     mover report RUN [-o FILE.png]    # a finished (or running) run's interruptions and timeline
     mover templates --hosts 1024 --pipeline-size 16 --num-layers 96 --global-batch-size 4096
+    mover simulate --costs summary.json # GPU-hours wasted per week, 1K to 128K GPUs
 
 ``status`` and ``migrate`` find the job from ``--master-addr``/``--master-port`` like
 ``mover-launch``, and with neither given, the one job running on this host
@@ -27,13 +28,14 @@ import sys
 import time
 import uuid
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch.distributed as dist
 
 from mover_plugin.errors import ConfigError, MoverError
 from mover_plugin.launch.config import port_number
-from mover_plugin.launch import plans
+from mover_plugin.launch import plans, simulation
 from mover_plugin.launch.jobs import find_job
 from mover_plugin.mailbox import Mailbox
 from mover_plugin.contract import REQUESTS_MAILBOX, request_done_key, request_reply_key
@@ -110,6 +112,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return _report(args.run, args.output)
     if args.command == "templates":
         return _templates(args)
+    if args.command == "simulate":
+        return _simulate(args)
     try:
         client = JobClient(args.master_addr, args.master_port)
         if args.command == "status":
@@ -165,7 +169,28 @@ def _parser() -> argparse.ArgumentParser:
     plans.add_arguments(templates)
     templates.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
                            help="print the templates and plans as JSON")
+    simulate = commands.add_parser(
+        "simulate", help="GPU-hours wasted per week by interruptions, 1K to 128K GPUs")
+    simulation.add_arguments(simulate)
+    simulate.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
+                          help="print the rows (system, gpus, wasted_gpu_hours_per_week, ...) "
+                          "as JSON")
     return parser
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    try:
+        output = _png_path(args.output) if args.output else None
+        result = simulation.run(args)
+        if output:
+            simulation.draw(result, Path(output))
+    except (ConfigError, argparse.ArgumentTypeError) as error:
+        print(f"mover simulate: error: {error}", file=sys.stderr)
+        return 2
+    print(json.dumps(result) if args.json else simulation.describe(result))
+    if output and not args.json:
+        print(f"simulate: chart in {output}")
+    return 0
 
 
 def _templates(args: argparse.Namespace) -> int:

@@ -155,8 +155,8 @@ def _seconds(value: Optional[float]) -> str:
 # -- the picture ------------------------------------------------------------------------------
 
 
-def draw_timeline(run: Run, path: Path) -> Path:
-    """Draws the run's timeline into ``path`` (PNG); returns it."""
+def pyplot_module() -> Any:
+    """matplotlib's pyplot, drawing to files only; a ConfigError without matplotlib."""
     try:
         import matplotlib
     except ImportError:
@@ -165,6 +165,12 @@ def draw_timeline(run: Run, path: Path) -> Path:
     matplotlib.use("Agg")
     from matplotlib import pyplot
 
+    return pyplot
+
+
+def draw_timeline(run: Run, path: Path) -> Path:
+    """Draws the run's timeline into ``path`` (PNG); returns it."""
+    pyplot = pyplot_module()
     count = len(run.summary["interruptions"])
     figure = pyplot.figure(figsize=(12, 7.5 + 0.3 * count))
     grid = figure.add_gridspec(3, 1, height_ratios=[3, 1, 0.8 + 0.35 * count])
