@@ -17,7 +17,8 @@ agents batch and the controller logs; ``refill``: the standby pool brought back 
 ``slow_ranks`` (the slow-rank policy's detector), ``preflight`` (checking the script's own flags
 before any worker starts), ``cli`` (the ``mover-launch`` console script), ``jobs`` (the jobs running
 on this host) and ``jobctl`` (``mover status``, ``mover migrate`` and their Python API; ``mover
-report``, drawn by ``report``; ``mover templates``, printed by ``plans``). What passes between the
+report``, drawn by ``report``; ``mover templates``, printed by ``plans``; ``mover simulate``,
+by ``simulation``). What passes between the
 launcher and the processes it starts is in :mod:`mover_plugin.contract`, sent over
 :mod:`mover_plugin.mailbox`.
 """
