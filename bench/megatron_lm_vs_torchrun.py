@@ -11,8 +11,8 @@ every iteration) runs these ways, ``--repeats`` times each, interleaved:
   resuming from the checkpoint of iteration 5 with Megatron-LM's ``--load``, as
   ``torchrun --max-restarts 1`` does; and the same without a failure. With ``--torchrun-restart``
   also ``torchrun --max-restarts 1`` itself, rank 3 SIGKILLed from outside right after that
-  checkpoint is written (on torch 2.13 with gloo its restarted workers could not connect to each
-  other here: docs/benchmarks.md);
+  checkpoint is written (its c10d rendezvous with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: on
+  torch 2.13 the restarted gloo workers cannot connect to each other over the shared store);
 * ``mover-launch --policy resilient --standbys 1`` with ``--resilient``: without a failure, with
   rank 3 SIGKILLed when it begins iteration 6, and with rank 1 moved to the standby at iteration
   6 (``--inject-migration 1:6``, as ``mover migrate --rank 1`` asks). The standby warms up in
@@ -85,8 +85,9 @@ def run_torchrun(folder: Path, crash: bool) -> dict:
                SCRIPT, *FLAGS, *checkpoint_flags(folder)]
     trigger = f"successfully saved checkpoint from iteration {ITERATION - 1:7d}"
     started = time.monotonic()
+    env = {**_environment(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     process = subprocess.Popen(command, cwd=folder, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, env=_environment())
+                               stderr=subprocess.STDOUT, text=True, env=env)
     output, killed = [], not crash
     assert process.stdout is not None
     for line in process.stdout:
@@ -199,6 +200,13 @@ def report(runs: dict[str, list[dict]]) -> None:
         print(f"RATIO_{mode.split('-')[1].upper()} restart / resilient downtime: "
               f"{restart / statistics.median(by_summary[mode]):.1f}x by run summary, "
               f"{by_wall_ratio} by wall time (goal >= {goal}x)")
+    for kind, goal in (("crash", 20), ("migration", 30)):
+        if "torchrun-crash" not in medians:
+            break
+        resilient = statistics.median(by_summary[f"mover-{kind}"])
+        print(f"RATIO_TORCHRUN_{kind.upper()} torchrun --max-restarts 1 downtime by wall time / "
+              f"resilient {kind} by run summary: {medians['torchrun-crash']:.2f} / "
+              f"{resilient:.3f} s = {medians['torchrun-crash'] / resilient:.1f}x (goal >= {goal}x)")
     for cold in (mode for mode in COLD_MODES if mode in by_summary):
         warm = f"mover-{cold.split('-')[1]}"
         print(f"WARM_VS_COLD {cold.split('-')[1]}: downtime with a warmed-up standby / a cold "
