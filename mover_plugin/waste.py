@@ -22,7 +22,7 @@ TrainMover's measured downtimes at 1,024 GPUs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from mover_plugin.errors import ConfigError
@@ -214,7 +214,6 @@ class MeasuredCosts:
     """Downtime of a switch onto pipeline templates (no standby); None: not modelled."""
     spare_hosts: int = 1
     source: str = "given"
-    notes: list[str] = field(default_factory=list)
 
 
 def mover_systems(measured: MeasuredCosts) -> list[SystemCosts]:
