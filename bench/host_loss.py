@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import socket
 import statistics
@@ -96,9 +97,14 @@ def run_way(way: str, folder: Path) -> dict:
     return summary
 
 
+JOB_SECRET = secrets.token_hex(32)
+
+
 def _start(command: list[str], log: Path) -> subprocess.Popen:
+    # Each host runs its own mover-launch: they share the job's secret, as srun would hand it.
+    env = {**os.environ, "MOVER_JOB_SECRET": JOB_SECRET}
     return subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
+                            start_new_session=True, env=env)
 
 
 def _wait_for_step(events_path: Path, step: int, process: subprocess.Popen) -> None:

@@ -22,7 +22,10 @@ it replaces keeps running as a *leaver* until it has handed its state over and e
 host's agent starts only standbys (one per slot, or on the slots the workers of a lost host
 leave it after a restart) and reports its host idle until one of them is promoted. Notices to a
 generation are written into every local rank's notice pipe (``mover_plugin.runtime.notices``);
-what passes between agent and worker is in :mod:`mover_plugin.contract`.
+what passes between agent and worker is in :mod:`mover_plugin.contract`. The agent reaches the
+controller's stores through its host's relay (:mod:`mover_plugin.launch.store_gate`), and so do
+its workers: their ``MASTER_ADDR``/``MASTER_PORT`` and control address name the relay's loopback
+ports, and the job's secret stays with the agent.
 
 Run as ``python -m mover_plugin.launch.agent`` with its settings as JSON in ``MOVER_AGENT_CONFIG``
 (the launcher does this), or in-process through :class:`Agent`.
@@ -58,9 +61,16 @@ from mover_plugin.contract import (
     encode_notice,
 )
 from mover_plugin.launch.config import FailureInjection, MigrationInjection, NodeSpec
+from mover_plugin.launch.job_secret import JOB_SECRET_ENV, launch_secret
 from mover_plugin.launch.liveness import AgentBeat
 from mover_plugin.launch.step_times import StepBatch
-from mover_plugin.mailbox import Mailbox, connect_to_controller
+from mover_plugin.launch.store_gate import (
+    CONTROL_TARGET,
+    LOOPBACK,
+    StoreRelay,
+    attempt_target,
+)
+from mover_plugin.mailbox import Mailbox
 from mover_plugin.processes import (
     describe_exit,
     process_cpu_s,
@@ -198,9 +208,12 @@ class Worker:
 
 
 class Agent:
-    def __init__(self, config: AgentConfig, store: dist.Store) -> None:
+    def __init__(self, config: AgentConfig, store: dist.Store, relay: StoreRelay) -> None:
+        """``store``: the controller's store, reached through ``relay``, this host's way
+        through the job's gate (its workers get the relay's ports)."""
         self.config = config
         self._store = store
+        self._store_relay = relay
         self._commands = Mailbox(store, COMMANDS_MAILBOX)
         self._events = Mailbox(store, EVENTS_MAILBOX)
         self._workers: list[Worker] = []
@@ -216,14 +229,11 @@ class Agent:
         self._busy: dict[int, dict[int, float]] = {}
         """Busy times by step, then rank, until every local rank reported the step."""
         self._step_times = StepBatch(self._post)
-        self._store_port = 0
-        """The current attempt's rendezvous store."""
 
     def run(self) -> int:
         """Serves the controller until it says ``finish`` (returns 0) or ``abort`` (1)."""
         node = self.config.node
-        beat = AgentBeat(lambda: connect_to_controller(
-            self.config.master_addr, self.config.master_port, CONTROLLER_TIMEOUT_S),
+        beat = AgentBeat(lambda: self._store_relay.client(CONTROL_TARGET, CONTROLLER_TIMEOUT_S),
             node.node_rank, unreachable_after_s=CONTROLLER_TIMEOUT_S,
             on_unreachable=self._controller_unreachable)
         beat.start()
@@ -266,7 +276,7 @@ class Agent:
         if op == "start":
             self._generation = command["generation"]
             placed = command.get("ranks", {}).get(str(self.config.node.node_rank))
-            self._start_workers(command["attempt"], command["store_port"],
+            self._start_workers(command["attempt"],
                                 list(self.config.node.ranks) if placed is None else placed)
         elif op == "arm":
             self._armed = True
@@ -301,17 +311,17 @@ class Agent:
             return 1
         return None
 
-    def _start_workers(self, attempt: int, store_port: int, ranks: list[int]) -> None:
+    def _start_workers(self, attempt: int, ranks: list[int]) -> None:
         """Starts ``ranks`` (this host's own, or on a spare host those of a lost host) and
         the standbys: ``--standbys``, or on a spare host one per slot no worker uses."""
         self._stop_workers()
-        self._attempt, self._store_port = attempt, store_port
+        self._attempt = attempt
         node = self.config.node
         for local_rank, rank in enumerate(ranks):
-            self._spawn(rank, local_rank, store_port)
+            self._spawn(rank, local_rank)
         standbys = self.config.standbys - (len(ranks) if node.spare else 0)
         for index in range(standbys):
-            self._spawn(None, None, store_port, standby=f"a{attempt}.n{node.node_rank}.s{index}")
+            self._spawn(None, None, standby=f"a{attempt}.n{node.node_rank}.s{index}")
         self._post("started", pids={w.rank: w.process.pid for w in self._workers
                                     if w.rank is not None})
         if not ranks:
@@ -322,10 +332,10 @@ class Agent:
     def _rejoin(self, command: dict[str, Any]) -> None:
         """This host is back in the running job as a spare host: it starts the standbys the
         controller named, and no worker."""
-        self._attempt, self._store_port = command["attempt"], command["store_port"]
+        self._attempt = command["attempt"]
         self._generation = command["generation"]
         for standby in command["standbys"]:
-            self._spawn(None, None, self._store_port, standby=standby)
+            self._spawn(None, None, standby=standby)
         self._idle_reported = True
         self._post("node_done", steps_completed=None, workers=[])
         logger.info("node %d is back in the job as a spare host (standbys %s)",
@@ -335,16 +345,16 @@ class Agent:
         """Starts a standby the controller asked of this host to refill the pool."""
         if command["node"] != self.config.node.node_rank or command["attempt"] != self._attempt:
             return
-        self._spawn(None, None, self._store_port, standby=command["standby"])
+        self._spawn(None, None, standby=command["standby"])
         logger.info("node %d: started standby %s to refill the pool", self.config.node.node_rank,
                     command["standby"])
 
-    def _spawn(self, rank: Optional[int], local_rank: Optional[int], store_port: int,
+    def _spawn(self, rank: Optional[int], local_rank: Optional[int],
                standby: Optional[str] = None) -> None:
         """Starts a worker (or, with ``standby``, a standby) with a progress pipe; tracks it."""
         read_fd, write_fd = os.pipe()
         notice_read, notice_write = os.pipe()
-        env = self._worker_env(rank, local_rank, self._attempt, store_port, write_fd)
+        env = self._worker_env(rank, local_rank, self._attempt, write_fd)
         env[NOTICE_FD_ENV] = str(notice_read)
         if standby is not None:
             env[STANDBY_ID_ENV] = standby
@@ -419,11 +429,11 @@ class Agent:
             self._workers.remove(worker)
 
     def _worker_env(
-        self, rank: Optional[int], local_rank: Optional[int], attempt: int, store_port: int,
-        progress_fd: int,
+        self, rank: Optional[int], local_rank: Optional[int], attempt: int, progress_fd: int,
     ) -> dict[str, str]:
         node = self.config.node
         env = dict(os.environ)
+        env.pop(JOB_SECRET_ENV, None)  # workers reach the stores through this host's relay
         env.setdefault("OMP_NUM_THREADS", "1")
         for name in ("RANK", "LOCAL_RANK"):
             env.pop(name, None)
@@ -433,14 +443,14 @@ class Agent:
             WORLD_SIZE=str(self.config.world_size),
             LOCAL_WORLD_SIZE=str(node.local_world_size),
             GROUP_RANK=str(node.node_rank),
-            MASTER_ADDR=self.config.master_addr,
-            MASTER_PORT=str(store_port),
+            MASTER_ADDR=LOOPBACK,
+            MASTER_PORT=str(self._store_relay.port_for(attempt_target(attempt))),
             # env:// rendezvous connects to the store the controller hosts for this attempt.
             TORCHELASTIC_USE_AGENT_STORE="True",
             TORCHELASTIC_RESTART_COUNT=str(attempt),
         )
-        env.update({CONTROL_ADDR_ENV: self.config.master_addr,
-                    CONTROL_PORT_ENV: str(self.config.master_port),
+        env.update({CONTROL_ADDR_ENV: LOOPBACK,
+                    CONTROL_PORT_ENV: str(self._store_relay.port_for(CONTROL_TARGET)),
                     ATTEMPT_ENV: str(attempt), GENERATION_ENV: str(self._generation),
                     PROGRESS_FD_ENV: str(progress_fd)})
         return env
@@ -619,8 +629,9 @@ def main() -> int:
     config = AgentConfig.from_json(os.environ[AGENT_CONFIG_ENV])
     # The launcher stops its agents with SIGTERM: leave through ``finally`` to stop workers.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
-    store = connect_to_controller(config.master_addr, config.master_port, timeout_s=300)
-    return Agent(config, store).run()
+    relay = StoreRelay(launch_secret(starts_every_host=False), config.master_addr,
+                       config.master_port)
+    return Agent(config, relay.client(CONTROL_TARGET, timeout_s=300), relay).run()
 
 
 if __name__ == "__main__":

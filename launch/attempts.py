@@ -14,8 +14,6 @@ import logging
 import statistics
 from typing import Callable, Mapping, Optional
 
-import torch.distributed as dist
-
 from mover_plugin.contract import standbys_ready_key
 from mover_plugin.generations import Membership, StandbyPool
 from mover_plugin.launch.context import AttemptState, Context, Event, EventHandler, Unit
@@ -63,11 +61,9 @@ class Attempts(Unit):
         ctx.begin_generation(ctx.job.last_generation + 1)
         ctx.job.membership = Membership(ctx.job.generation, {r: f"a{attempt}.r{r}" for r in
                                                              range(ctx.config.world_size)})
-        ctx.attempt.store = dist.TCPStore(ctx.config.master_addr, 0, is_master=True,
-                                          wait_for_workers=False)
+        ctx.attempt.store = ctx.host_attempt_store(attempt)
         del previous  # the old attempt's workers are gone; its store can close
         ctx.post({"op": "start", "attempt": attempt, "generation": ctx.job.generation,
-                  "store_port": ctx.attempt.store.port,
                   "ranks": {str(node): ranks for node, ranks in placement.items()}})
         self._arm_when_provisioned()
         ctx.record("attempt_start", "job", attempt=attempt)

@@ -8,25 +8,30 @@ running job (:mod:`mover_plugin.launch.join`). See ``mover-launch --help``.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
-from datetime import timedelta
 from typing import Optional, Sequence
-
-import torch.distributed as dist
 
 from mover_plugin.errors import ConfigError, LaunchError
 from mover_plugin.launch.agent import AGENT_CONFIG_ENV, Agent, AgentConfig
 from mover_plugin.launch.config import JoinConfig, LaunchConfig, parse_launch_args
 from mover_plugin.launch.controller import Controller
+from mover_plugin.launch.job_secret import JOB_SECRET_ENV, launch_secret
 from mover_plugin.launch.jobs import registered_job
 from mover_plugin.launch.join import run_joining_host
 from mover_plugin.launch.preflight import run_preflight
+from mover_plugin.launch.store_gate import (
+    CONTROL_TARGET,
+    StoreGate,
+    StoreRelay,
+    host_loopback_store,
+)
 from mover_plugin.launch.summary import RunSummary
-from mover_plugin.mailbox import connect_to_controller
 from mover_plugin.processes import start_process, stop_processes
 
 logger = logging.getLogger("mover_plugin.launch")
@@ -39,10 +44,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         config = parse_launch_args(sys.argv[1:] if argv is None else argv, sys.executable)
         if isinstance(config, JoinConfig):
             return run_joining_host(config)
+        secret = launch_secret(starts_every_host=config.runs_controller
+                               and len(config.local_node_ranks) == len(config.nodes))
         if config.runs_controller:
             run_preflight(config)
-            return _run_first_host(config)
-        return _run_agent_only(config)
+            return _run_first_host(config, secret)
+        return _run_agent_only(config, secret)
     except ConfigError as error:
         print(f"mover-launch: error: {error}", file=sys.stderr)
         return 2
@@ -51,34 +58,67 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 1
 
 
-def _run_first_host(config: LaunchConfig) -> int:
-    store = _host_control_store(config)
-    port = store.port
-    agents = {node_rank: _spawn_agent(config, node_rank, port)
+def _run_first_host(config: LaunchConfig, secret: bytes) -> int:
+    gate = _open_gate(config, secret)
+    store = host_loopback_store()
+    gate.route(CONTROL_TARGET, store.port)
+    port = gate.port
+    agents = {node_rank: _spawn_agent(config, node_rank, port, secret)
               for node_rank in config.local_node_ranks}
-    controller = Controller(config, store, agents)
+    controller = Controller(config, store, agents, gate=gate)
     try:
-        with registered_job(config.master_addr, port, config.command):
+        with registered_job(config.master_addr, port, config.command, secret):
             return controller.run()
     finally:
         stop_processes(list(agents.values()), grace_s=config.stop_grace_s + 5.0)
+        gate.close()
         _report(controller.summary, config)
 
 
-def _host_control_store(config: LaunchConfig) -> dist.TCPStore:
+def _open_gate(config: LaunchConfig, secret: bytes) -> StoreGate:
+    """The job's one open port, on the job's address only."""
     try:
-        return dist.TCPStore(config.master_addr, config.master_port, is_master=True,
-                             wait_for_workers=False, timeout=timedelta(seconds=60))
-    except (RuntimeError, OSError) as error:
+        return StoreGate(secret, _listen_address(config), config.master_port)
+    except OSError as error:
         raise ConfigError(
-            f"cannot host the job's store on {config.master_addr}:{config.master_port} ({error}); "
+            f"cannot open the job's port {config.master_addr}:{config.master_port} ({error}); "
             "choose a free --master-port (or --standalone)"
         ) from None
 
 
-def _spawn_agent(config: LaunchConfig, node_rank: int, port: int) -> subprocess.Popen:
+def _listen_address(config: LaunchConfig) -> str:
+    """The address the gate listens on: the job's address. A host name that resolves to a
+    loopback address (``127.0.1.1`` in many ``/etc/hosts``) while other hosts must reach it
+    cannot be the listening address; the gate then listens on every interface."""
+    try:
+        address = socket.gethostbyname(config.master_addr)
+    except OSError as error:
+        raise ConfigError(f"--master-addr {config.master_addr} does not resolve ({error})") \
+            from None
+    literal = _is_ip(config.master_addr)
+    remote_hosts = [n.host for n in config.nodes
+                    if not (_is_ip(n.host) and ipaddress.ip_address(n.host).is_loopback)]
+    if ipaddress.ip_address(address).is_loopback and not literal and remote_hosts:
+        logger.warning("%s resolves to %s, which other hosts cannot reach: the job's port "
+                       "listens on every interface (only holders of the job's secret get "
+                       "through)", config.master_addr, address)
+        return "0.0.0.0"
+    return address
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _spawn_agent(config: LaunchConfig, node_rank: int, port: int,
+                 secret: bytes) -> subprocess.Popen:
     env = dict(os.environ)
     env[AGENT_CONFIG_ENV] = _agent_config(config, node_rank, port).to_json()
+    env[JOB_SECRET_ENV] = secret.decode()
     return start_process([sys.executable, "-m", "mover_plugin.launch.agent"], env,
                          death_signal=signal.SIGTERM)
 
@@ -99,16 +139,17 @@ def _agent_config(config: LaunchConfig, node_rank: int, port: int) -> AgentConfi
     )
 
 
-def _run_agent_only(config: LaunchConfig) -> int:
+def _run_agent_only(config: LaunchConfig, secret: bytes) -> int:
     (node_rank,) = config.local_node_ranks
+    relay = StoreRelay(secret, config.master_addr, config.master_port,
+                       connect_timeout_s=config.join_timeout_s)
     try:
-        store = connect_to_controller(config.master_addr, config.master_port,
-                                      timeout_s=config.join_timeout_s)
+        store = relay.client(CONTROL_TARGET, config.join_timeout_s)
     except (RuntimeError, OSError) as error:
         raise LaunchError(
             f"no controller at {config.master_addr}:{config.master_port} ({error})"
         ) from None
-    return Agent(_agent_config(config, node_rank, config.master_port), store).run()
+    return Agent(_agent_config(config, node_rank, config.master_port), store, relay).run()
 
 
 def _report(summary: RunSummary, config: LaunchConfig) -> None:

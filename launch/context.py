@@ -40,6 +40,7 @@ from mover_plugin.contract import (
 from mover_plugin.generations import Membership, Replacement, StandbyPool
 from mover_plugin.launch.config import LaunchConfig
 from mover_plugin.launch.eventlog import EventLog
+from mover_plugin.launch.store_gate import StoreGate, attempt_target, host_loopback_store
 from mover_plugin.launch.summary import Interruption, RunSummary
 from mover_plugin.layout import ParallelLayout
 from mover_plugin.mailbox import Mailbox
@@ -122,9 +123,11 @@ class Context:
     """The settings, the control plane and the state the controller's units share."""
 
     def __init__(self, config: LaunchConfig, store: dist.Store, summary: RunSummary,
-                 log: EventLog, commands: Mailbox) -> None:
+                 log: EventLog, commands: Mailbox, gate: Optional[StoreGate] = None) -> None:
         self.config = config
         self.store = store
+        self.gate = gate
+        """The job's port (None when the controller runs in-process without one)."""
         self.summary = summary
         self.log = log
         self.commands = commands
@@ -146,6 +149,14 @@ class Context:
         """A notice to generation ``generation``'s processes (the agents relay it)."""
         assert kind in NOTICE_KINDS, kind
         self.post({"op": "notice", "generation": generation, "kind": kind, **fields})
+
+    def host_attempt_store(self, attempt: int) -> dist.TCPStore:
+        """A fresh rendezvous store for attempt ``attempt``, on this host's loopback, that
+        the job's port leads to."""
+        store = host_loopback_store()
+        if self.gate is not None:
+            self.gate.route(attempt_target(attempt), store.port)
+        return store
 
     def begin_generation(self, generation: int) -> None:
         self.job.generation = generation

@@ -55,6 +55,7 @@ from mover_plugin.launch.operator_requests import OperatorRequests
 from mover_plugin.launch.recovery import CrashRecovery
 from mover_plugin.launch.refill import StandbyRefill
 from mover_plugin.launch.step_times import StepTimeline
+from mover_plugin.launch.store_gate import StoreGate
 from mover_plugin.launch.summary import RunSummary
 from mover_plugin.launch.timing import InterruptionTiming
 from mover_plugin.mailbox import Mailbox
@@ -94,14 +95,17 @@ class Controller:
         config: LaunchConfig,
         store: dist.Store,
         local_agents: Optional[Mapping[int, subprocess.Popen]] = None,
+        gate: Optional[StoreGate] = None,
     ) -> None:
-        """``local_agents``: the agent processes this process started, by node."""
+        """``local_agents``: the agent processes this process started, by node; ``gate``:
+        the job's port, which the attempts' stores are opened on and whose refused
+        connections go into the event log."""
         self.config = config
         self.summary = RunSummary(config.policy, config.world_size, list(config.command),
                                   started_at=time.time())
         self.log = EventLog(config.event_log_path)
         self._ctx = Context(config, store, self.summary, self.log,
-                            Mailbox(store, COMMANDS_MAILBOX))
+                            Mailbox(store, COMMANDS_MAILBOX), gate)
         self._events = Mailbox(store, EVENTS_MAILBOX)
         self._requests = Mailbox(store, REQUESTS_MAILBOX)
         self._local_agents = dict(local_agents or {})
@@ -168,7 +172,15 @@ class Controller:
             for request in self._requests.poll():
                 self._operator.on_request(request)
         self._refill.start_due()
+        self._log_refusals()
         return self._check_agents()
+
+    def _log_refusals(self) -> None:
+        if self._ctx.gate is None:
+            return
+        for peer, why in self._ctx.gate.take_refusals():
+            self.summary.refused_connections += 1
+            self._ctx.record("connection_refused", "job", peer=peer, reason=why)
 
     def finish(self, exit_code: int) -> None:
         """Ends the job: a migration still in progress fails or completes, the agents finish

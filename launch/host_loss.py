@@ -132,8 +132,7 @@ class HostLoss(Unit):
             ctx.attempt.stopped[node] = []  # a restart under way: nothing of it to stop here
         standbys = self._attempts.add_spare_host(node, ctx.config.nodes[node].local_world_size)
         ctx.post({"op": "rejoin", "node": node, "attempt": ctx.attempt.number,
-                  "generation": ctx.job.generation, "store_port": ctx.attempt.store.port,
-                  "standbys": standbys})
+                  "generation": ctx.job.generation, "standbys": standbys})
         ctx.record("host_joined", "pool", node=node, host=event["host"], standbys=standbys)
         logger.info("host %s (node %d) is back: a spare host with standbys %s", event["host"],
                     node, ", ".join(standbys))

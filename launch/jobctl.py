@@ -14,7 +14,9 @@ under the request's own key. The ``mover`` console script is a thin layer over i
 
 ``status`` and ``migrate`` find the job from ``--master-addr``/``--master-port`` like
 ``mover-launch``, and with neither given, the one job running on this host
-(:mod:`mover_plugin.launch.jobs`). A request the controller cannot carry out (a rank that does not
+(:mod:`mover_plugin.launch.jobs`). They need the job's secret: ``MOVER_JOB_SECRET``, or on the
+job's first host the job's secret file (:mod:`mover_plugin.launch.job_secret`); the job refuses
+and logs a wrong one. A request the controller cannot carry out (a rank that does not
 exist, no free standby, a rank already being moved, a job that is not resilient) is rejected with
 one line that says why, and the job is left untouched.
 """
@@ -36,7 +38,9 @@ import torch.distributed as dist
 from mover_plugin.errors import ConfigError, MoverError
 from mover_plugin.launch.config import port_number
 from mover_plugin.launch import plans, simulation
-from mover_plugin.launch.jobs import find_job
+from mover_plugin.launch.job_secret import operator_secret
+from mover_plugin.launch.jobs import find_job, secret_file
+from mover_plugin.launch.store_gate import CONTROL_TARGET, GateRefused, StoreRelay
 from mover_plugin.mailbox import Mailbox
 from mover_plugin.contract import REQUESTS_MAILBOX, request_done_key, request_reply_key
 
@@ -51,10 +55,12 @@ class JobClient:
     def __init__(self, master_addr: Optional[str] = None, master_port: Optional[int] = None,
                  *, connect_timeout_s: float = 10.0) -> None:
         self.master_addr, self.master_port = find_job(master_addr, master_port)
+        address = f"{self.master_addr}:{self.master_port}"
+        secret = operator_secret(secret_file(self.master_addr, self.master_port), address)
+        self._relay = StoreRelay(secret, self.master_addr, self.master_port,
+                                 connect_timeout_s=connect_timeout_s)
         try:
-            self._store = dist.TCPStore(self.master_addr, self.master_port, is_master=False,
-                                        wait_for_workers=False,
-                                        timeout=timedelta(seconds=connect_timeout_s))
+            self._store = self._relay.client(CONTROL_TARGET, connect_timeout_s)
         except (RuntimeError, OSError) as error:
             raise ConfigError(f"no mover-launch job answers at {self.master_addr}:"
                               f"{self.master_port} ({error})") from None
@@ -124,7 +130,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ConfigError as error:
         print(f"mover: error: {error}", file=sys.stderr)
         return 2
-    except RequestRejected as error:
+    except (RequestRejected, GateRefused) as error:
         print(f"mover: {error}", file=sys.stderr)
         return 1
     if args.json:

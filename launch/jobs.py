@@ -2,7 +2,8 @@
 
 Each ``mover-launch`` that runs a controller writes a small JSON file naming its control
 store's address and port into this user's job folder (``$XDG_RUNTIME_DIR/mover_plugin/jobs``,
-or ``/tmp/mover_plugin-<uid>/jobs``) and removes it when the job ends. A file whose launcher
+or ``/tmp/mover_plugin-<uid>/jobs``), and the job's secret into a file beside it that only the
+user can read (:mod:`mover_plugin.launch.job_secret`); both go when the job ends. A file whose launcher
 process is gone (killed before it could clean up) is ignored and removed by the next reader.
 """
 
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 from mover_plugin.errors import ConfigError
+from mover_plugin.launch.job_secret import SECRET_SUFFIX, write_secret_file
 
 JOBS_DIR_ENV = "MOVER_JOBS_DIR"
 
@@ -45,13 +47,15 @@ def jobs_dir() -> Path:
 
 
 @contextlib.contextmanager
-def registered_job(master_addr: str, master_port: int,
-                   command: tuple[str, ...]) -> Iterator[JobRecord]:
-    """Lists this process's job while the block runs."""
+def registered_job(master_addr: str, master_port: int, command: tuple[str, ...],
+                   secret: bytes) -> Iterator[JobRecord]:
+    """Lists this process's job, and keeps its secret for operators, while the block runs."""
     record = JobRecord(master_addr, master_port, os.getpid(), time.time(), tuple(command))
     folder = jobs_dir()
     folder.mkdir(parents=True, exist_ok=True, mode=0o700)
     path = folder / f"{record.pid}.json"
+    secret_path = path.with_suffix(SECRET_SUFFIX)
+    write_secret_file(secret_path, secret)
     temporary = path.with_suffix(".tmp")
     temporary.write_text(json.dumps(asdict(record)))
     temporary.replace(path)
@@ -59,6 +63,7 @@ def registered_job(master_addr: str, master_port: int,
         yield record
     finally:
         path.unlink(missing_ok=True)
+        secret_path.unlink(missing_ok=True)
 
 
 def running_jobs() -> list[JobRecord]:
@@ -78,6 +83,7 @@ def running_jobs() -> list[JobRecord]:
             jobs.append(record)
         else:
             path.unlink(missing_ok=True)
+            path.with_suffix(SECRET_SUFFIX).unlink(missing_ok=True)
     return sorted(jobs, key=lambda r: r.started_at)
 
 
@@ -96,6 +102,14 @@ def find_job(master_addr: Optional[str], master_port: Optional[int]) -> tuple[st
         raise ConfigError(f"{len(jobs)} jobs are running on this host: {listed}; "
                           "choose one with --master-port")
     return jobs[0].master_addr, jobs[0].master_port
+
+
+def secret_file(master_addr: str, master_port: int) -> Optional[Path]:
+    """The secret file of the job registered on this host at ``master_addr:master_port``."""
+    for job in running_jobs():
+        if (job.master_addr, job.master_port) == (master_addr, master_port):
+            return jobs_dir() / f"{job.pid}{SECRET_SUFFIX}"
+    return None
 
 
 def _alive(pid: int) -> bool:

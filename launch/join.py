@@ -16,7 +16,9 @@ token of its own) and waits for the controller's answer, a command that carries 
   there); ``mover-launch`` says why and exits 1.
 
 The job's script and settings thus stay the first host's: a joining host names only its slots
-(``--nproc-per-node``), its name (``--host``) and how long to wait (``--join-timeout-s``).
+(``--nproc-per-node``), its name (``--host``) and how long to wait (``--join-timeout-s``). It
+needs the job's secret (:mod:`mover_plugin.launch.job_secret`): ``MOVER_JOB_SECRET``, or on the
+job's first host the job's secret file.
 """
 
 from __future__ import annotations
@@ -31,7 +33,10 @@ from mover_plugin.contract import COMMANDS_MAILBOX, EVENTS_MAILBOX
 from mover_plugin.errors import LaunchError
 from mover_plugin.launch.agent import Agent, AgentConfig
 from mover_plugin.launch.config import JoinConfig, NodeSpec
-from mover_plugin.mailbox import Mailbox, connect_to_controller
+from mover_plugin.launch.job_secret import operator_secret
+from mover_plugin.launch.jobs import secret_file
+from mover_plugin.launch.store_gate import CONTROL_TARGET, StoreRelay
+from mover_plugin.mailbox import Mailbox
 
 logger = logging.getLogger(__name__)
 
@@ -42,9 +47,11 @@ def run_joining_host(config: JoinConfig) -> int:
     """Joins the job at ``config``'s address and serves it as a spare host's agent until the
     job ends; returns the agent's exit code."""
     address = f"{config.master_addr}:{config.master_port}"
+    secret = operator_secret(secret_file(config.master_addr, config.master_port), address)
+    relay = StoreRelay(secret, config.master_addr, config.master_port,
+                       connect_timeout_s=config.join_timeout_s)
     try:
-        store = connect_to_controller(config.master_addr, config.master_port,
-                                      timeout_s=config.join_timeout_s)
+        store = relay.client(CONTROL_TARGET, config.join_timeout_s)
     except (RuntimeError, OSError) as error:
         raise LaunchError(f"--join {address}: no controller there ({error})") from None
     answer = _ask_to_join(store, config)
@@ -57,7 +64,7 @@ def run_joining_host(config: JoinConfig) -> int:
                         master_addr=config.master_addr, master_port=config.master_port,
                         command=tuple(answer["command"]), stop_grace_s=answer["stop_grace_s"],
                         standbys=answer["standbys"], report_busy=answer["report_busy"])
-    return Agent(agent, store).run()
+    return Agent(agent, store, relay).run()
 
 
 def _ask_to_join(store: Any, config: JoinConfig) -> dict[str, Any]:

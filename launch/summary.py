@@ -142,6 +142,9 @@ class RunSummary:
     rejected_events: int = 0
     """Events the controller did not act on because they were unknown or malformed (each is
     in the event log as ``event_rejected``, with the reason)."""
+    refused_connections: int = 0
+    """Connections to the job's port refused for want of the job's secret (each is in the
+    event log as ``connection_refused``, with the peer and the reason)."""
 
     @property
     def wall_time_s(self) -> Optional[float]:

@@ -29,11 +29,15 @@ from gpt_jobs import (EXAMPLE, LAUNCH, MODEL, background_job, digest, pretrain, 
                       tagged_processes, wait_for_events, worker_pid)
 from netns import can_make_namespaces, namespace_hosts
 
+from mover_plugin.launch.job_secret import JOB_SECRET_ENV
+
 pytest.importorskip("megatron.core")
 
 TP2 = ["--num-layers", "2", "--tensor-model-parallel-size", "2", "--train-iters", "350"]
 """Two layers, and steps enough for a new host to join and host 1 to come back, each used in
 turn, before training ends."""
+JOB_ENV = {JOB_SECRET_ENV: "three-hosts-job-secret"}
+"""Each host starts its own mover-launch: they share the job's secret, as with srun."""
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +102,7 @@ def three_hosts(tmp_path: Path, addresses: list[str],
     commands = {node: on_host(node, [*common, "--node-rank", str(node), *own.get(node, []),
                                      *script]) for node in (1, 2, 0)}
     with ExitStack() as stack:
-        processes = {node: stack.enter_context(background_job(command, tmp_path.name))
+        processes = {node: stack.enter_context(background_job(command, tmp_path.name, JOB_ENV))
                      for node, command in commands.items()}
         job = ThreeHosts(tmp_path, [processes[0], processes[1], processes[2]], commands,
                          port)
@@ -157,11 +161,11 @@ def test_a_host_sigkilled_with_its_agent_is_replaced_by_the_spare_host_and_comes
         joining = [*LAUNCH, "--join", f"127.0.0.1:{job.port}", "--nproc-per-node", "1",
                    "--host", "127.0.0.4"]
         with ExitStack() as hosts:
-            new = hosts.enter_context(background_job(joining, job.tag))
+            new = hosts.enter_context(background_job(joining, job.tag, JOB_ENV))
             job.wait_for(_joined_standbys_ready(1))
             # the new host's standby is the only one ready: it takes rank 2
             os.kill(worker_pid(2, job.tag, standby="a0.n2.s0"), signal.SIGKILL)
-            back = hosts.enter_context(background_job(job.commands[1], job.tag))
+            back = hosts.enter_context(background_job(job.commands[1], job.tag, JOB_ENV))
             job.wait_for(lambda es: sum(e["event"] == "resumed" for e in es) >= 2)
             job.wait_for(_joined_standbys_ready(3))
             os.kill(worker_pid(3, job.tag, standby="a0.n2.s1"), signal.SIGKILL)

@@ -12,17 +12,23 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 from gpt_jobs import EXAMPLE, LAUNCH, MODEL, TAG_ENV, digest, read_events, worker_pid
+from mover_plugin.contract import COMMANDS_MAILBOX
 from mover_plugin.errors import ConfigError
+from mover_plugin.launch.job_secret import JOB_SECRET_ENV
 from mover_plugin.launch.jobctl import JobClient, RequestRejected
+from mover_plugin.mailbox import Mailbox
 from mover_plugin.testing import run_command
 
 pytest.importorskip("megatron.core")
@@ -225,7 +231,13 @@ def test_operator_moves_a_host_and_bad_requests_leave_the_job_untouched(tmp_path
     """Two "hosts" (two agents on this machine, as a hostfile of two machines gives), two
     standbys each. The operator moves every rank of the second host (``--host``); requests
     that cannot be carried out are refused with one line each and change nothing; the result
-    equals a run without migration."""
+    equals a run without migration.
+
+    Someone without the job's secret can neither migrate (``mover migrate`` with a wrong
+    ``MOVER_JOB_SECRET``), nor stop the job (an ``abort`` posted to the agents' commands with
+    torch's own store client, straight at the job's port), nor stall it (a connection held
+    open that never answers the gate's challenge): each is refused and in the event log, and
+    the job ends as if they never came."""
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("localhost slots=2\n127.0.0.1 slots=2\n")
     monkeypatch.setenv("MOVER_JOBS_DIR", str(tmp_path / "jobs"))
@@ -243,13 +255,22 @@ def test_operator_moves_a_host_and_bad_requests_leave_the_job_untouched(tmp_path
              "2", *script, "--resilient"],
             stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     commands: list[subprocess.Popen] = []
+    stalling = socket.socket()
     try:
         client = _connect(job)
         # The command line, started as soon as the job is listed: its workers take far longer
         # to start than the command, so the job is sure to be running when it answers.
         cli_status = _mover_started("status", env=env)
         cli_bad_rank = _mover_started("migrate", "--rank", "7", env=env)
-        commands += [cli_status, cli_bad_rank]
+        # Someone without the secret, while the job starts and trains.
+        stalling.connect((client.master_addr, client.master_port))
+        outsider = _mover_started("migrate", "--rank", "1",
+                                  env={**env, JOB_SECRET_ENV: "not-the-secret-of-this-job"})
+        commands += [cli_status, cli_bad_rank, outsider]
+        with pytest.raises(dist.DistError):
+            raw = dist.TCPStore(client.master_addr, client.master_port, is_master=False,
+                                wait_for_workers=False, timeout=timedelta(seconds=2))
+            Mailbox(raw, COMMANDS_MAILBOX).post({"op": "abort"})
         status = _wait_until_trained_with_standbys(client, 4, job)
         assert status["policy"] == "resilient" and status["world_size"] == 4
         assert _nodes(status) == {0: 0, 1: 0, 2: 1, 3: 1}
@@ -279,8 +300,11 @@ def test_operator_moves_a_host_and_bad_requests_leave_the_job_untouched(tmp_path
         out, err = cli_bad_rank.communicate(timeout=120)
         assert cli_bad_rank.returncode == 1
         assert err.strip() == "mover: rank 7 does not exist; this job has ranks 0..3"
+        out, err = outsider.communicate(timeout=120)
+        assert outsider.returncode == 1 and "refused this host's secret" in err, err
     finally:
         _finish(job)
+        stalling.close()
         for command in commands:
             command.kill()
             command.communicate()
@@ -289,6 +313,8 @@ def test_operator_moves_a_host_and_bad_requests_leave_the_job_untouched(tmp_path
     events = read_events(events_path)
     assert not [e for e in events if e["event"] in ("worker_failed", "fallback", "restart")]
     assert len([e for e in events if e["event"] == "migration_rejected"]) == 5
+    refused = [e["reason"] for e in events if e["event"] == "connection_refused"]
+    assert refused.count("wrong job secret") == 1 and len(refused) >= 2, refused
     assert sorted(e["rank"] for e in events if e["event"] == "leaver_exit") == [2, 3]
 
     finals = [line.split()[1] for line in output.splitlines()

@@ -21,6 +21,7 @@ from gpt_jobs import EXAMPLE, MODEL, background_job, tagged_processes
 
 from mover_plugin.errors import ConfigError
 from mover_plugin.launch.config import parse_launch_args
+from mover_plugin.launch.job_secret import JOB_SECRET_ENV
 from mover_plugin.launch.slurm import PORT_BASE, PORT_SPAN, expand_hostlist, port_of_job
 from mover_plugin.testing import run_command
 
@@ -29,8 +30,9 @@ LAUNCH = [sys.executable, "-m", "mover_plugin.launch.cli"]
 
 
 def slurm_env(nodelist: str, node_id: int, job_id: int = 4242, **more: str) -> dict[str, str]:
+    # The job's secret, exported before srun as the launch path asks of multi-host jobs.
     return {"SLURM_JOB_ID": str(job_id), "SLURM_JOB_NODELIST": nodelist,
-            "SLURM_NODEID": str(node_id), **more}
+            "SLURM_NODEID": str(node_id), JOB_SECRET_ENV: f"slurm-job-{job_id}-secret", **more}
 
 
 @pytest.mark.parametrize("text, hosts", [

@@ -1,0 +1,103 @@
+"""The job's port (mover_plugin.launch.store_gate) in-process: real sockets, real TCPStores.
+
+Only a client that answers the gate's challenge with the job's secret reaches a store; torch's
+own client, a wrong secret and a client that says nothing are refused and reported, and none
+of them holds up the clients that do hold the secret. The stores listen on loopback only.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from mover_plugin.launch import store_gate
+from mover_plugin.launch.store_gate import (
+    CONTROL_TARGET,
+    GateRefused,
+    StoreGate,
+    StoreRelay,
+    attempt_target,
+    host_loopback_store,
+)
+
+SECRET = b"the-job-secret-0123456789"
+
+
+@pytest.fixture
+def gate():
+    store = host_loopback_store()
+    gate = StoreGate(SECRET, "127.0.0.1", 0)
+    gate.route(CONTROL_TARGET, store.port)
+    yield gate, store
+    gate.close()
+
+
+def test_the_secret_holder_reaches_each_routed_store_through_its_relay(gate):
+    gate, control = gate
+    attempt = host_loopback_store()
+    gate.route(attempt_target(0), attempt.port)
+    relay = StoreRelay(SECRET, "127.0.0.1", gate.port)
+    relay.client(CONTROL_TARGET, timeout_s=10).set("commands/1", "start")
+    relay.client(attempt_target(0), timeout_s=10).add("rendezvous", 3)
+    assert control.get("commands/1") == b"start"
+    assert attempt.add("rendezvous", 0) == 3 and not control.check(["rendezvous"])
+    assert relay.port_for(CONTROL_TARGET) == relay.port_for(CONTROL_TARGET)
+    assert gate.take_refusals() == []
+    relay.close()
+
+
+def test_a_wrong_secret_is_refused_and_reported_and_reaches_nothing(gate):
+    gate, control = gate
+    wrong = StoreRelay(b"not-the-job-secret-000000", "127.0.0.1", gate.port)
+    with pytest.raises(GateRefused, match="refused this host's secret"):
+        wrong.client(CONTROL_TARGET, timeout_s=10)
+    # torch's own client, straight at the port: it cannot even validate.
+    with pytest.raises(dist.DistError):
+        dist.TCPStore("127.0.0.1", gate.port, is_master=False, wait_for_workers=False,
+                      timeout=timedelta(seconds=2))
+    refusals = gate.take_refusals()
+    assert refusals[0][1] == "wrong job secret"
+    assert len(refusals) >= 2 and all(peer.startswith("127.0.0.1:") for peer, _ in refusals)
+    assert control.list_keys() == []  # nothing was written
+    assert gate.take_refusals() == []
+
+
+def test_a_store_the_gate_does_not_route_is_refused(gate):
+    gate, _ = gate
+    relay = StoreRelay(SECRET, "127.0.0.1", gate.port)
+    with pytest.raises(GateRefused):
+        relay.open(attempt_target(5))
+    assert gate.take_refusals()[0][1] == "no store 6"
+
+
+def test_a_silent_client_is_dropped_and_holds_up_no_one(gate, monkeypatch):
+    gate, control = gate
+    monkeypatch.setattr(store_gate, "HANDSHAKE_TIMEOUT_S", 0.5)
+    silent = socket.create_connection(("127.0.0.1", gate.port))
+    relay = StoreRelay(SECRET, "127.0.0.1", gate.port)
+    relay.client(CONTROL_TARGET, timeout_s=10).set("alive", "1")  # admitted meanwhile
+    assert control.get("alive") == b"1"
+    silent.settimeout(5)
+    assert silent.recv(64)[:8] == store_gate.MAGIC  # the challenge, then the verdict
+    deadline = time.monotonic() + 5
+    while not (refusals := gate.take_refusals()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert refusals and refusals[0][1].startswith("no answer to the challenge")
+    silent.close()
+
+
+def test_the_gate_and_the_stores_listen_on_their_address_only():
+    gate = StoreGate(SECRET, "127.0.0.2", 0)
+    store = host_loopback_store()
+    try:
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", gate.port), timeout=2)
+        socket.create_connection(("127.0.0.2", gate.port), timeout=2).close()
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.3", store.port), timeout=2)
+    finally:
+        gate.close()
