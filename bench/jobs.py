@@ -43,10 +43,10 @@ def mover_launch_command(folder: Path, nproc: int, *options: str,
     return [*command, *options]
 
 
-def run_job(command: list[str], failed: str) -> CommandResult:
-    """Runs ``command``; unless it exits 0, stops the benchmark with ``failed`` and the end of
-    its output."""
-    result = run_command(command, timeout_s=JOB_TIMEOUT_S)
+def run_job(command: list[str], failed: str, timeout_s: float = JOB_TIMEOUT_S) -> CommandResult:
+    """Runs ``command``; unless it exits 0 within ``timeout_s``, stops the benchmark with
+    ``failed`` and the end of its output."""
+    result = run_command(command, timeout_s=timeout_s)
     if result.returncode != 0:
         raise SystemExit(f"{failed}:\n{result.output[-3000:]}")
     return result

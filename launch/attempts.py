@@ -23,6 +23,8 @@ logger = logging.getLogger(__name__)
 
 StandbyListener = Callable[[str], None]
 """Called with a standby's id."""
+ExitListener = Callable[[str, int], None]
+"""Called with the id of a ready standby whose process exited, and its node."""
 
 
 class Attempts(Unit):
@@ -31,6 +33,7 @@ class Attempts(Unit):
         self._armed = False
         self._on_ready: list[StandbyListener] = []
         self._on_lost: list[StandbyListener] = []
+        self._on_exit: list[ExitListener] = []
 
     def when_standby_ready(self, listener: StandbyListener) -> None:
         self._on_ready.append(listener)
@@ -38,6 +41,11 @@ class Attempts(Unit):
     def when_standby_lost(self, listener: StandbyListener) -> None:
         """``listener`` hears of every standby that exited while not holding a rank."""
         self._on_lost.append(listener)
+
+    def when_ready_standby_exits(self, listener: ExitListener) -> None:
+        """``listener`` hears of every ready standby whose own process exited (killed, or
+        hung and killed by its agent) on a host still in the job."""
+        self._on_exit.append(listener)
 
     def handlers(self) -> Mapping[str, EventHandler]:
         return {"standby_ready": self._on_standby_ready,
@@ -178,6 +186,7 @@ class Attempts(Unit):
 
     def _on_standby_exit(self, event: Event) -> Optional[int]:
         pool = self._ctx.attempt.pool
+        node = pool.hosts.get(event["standby"])
         removed = pool.remove(event["standby"])
         self._ctx.record("standby_lost", "pool", when=event["time"], standby=event["standby"],
                          how=event["how"], pool=len(pool), was_ready=removed)
@@ -185,6 +194,9 @@ class Attempts(Unit):
                        event["how"], len(pool))
         for listener in self._on_lost:
             listener(event["standby"])
+        if node is not None:
+            for exit_listener in self._on_exit:
+                exit_listener(event["standby"], node)
         return None
 
     # -- the end of the job -----------------------------------------------------------------

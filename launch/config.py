@@ -283,7 +283,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="Seconds between SIGTERM and SIGKILL when stopping workers (default 5).")
     add("--refill-delay-s", type=_non_negative_float, default=30.0,
         help="Seconds after training resumed from a crash before the lost rank's host starts "
-        "a standby to refill the pool (default 30; resilient policy).")
+        "a standby to refill the pool, and after a ready standby exited before its host "
+        "starts one in its place (default 30; resilient policy).")
     add("--agent-timeout-s", type=_positive_float, default=None,
         help="Seconds without a heartbeat from a host's agent before the controller declares "
         "the host lost and recovers all its ranks (default 2, or half the workers' "

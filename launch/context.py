@@ -97,7 +97,9 @@ class AttemptState:
     """Per node whose workers all finished: the steps they completed."""
     finished_workers: list[Event] = field(default_factory=list)
     host_standbys: dict[int, int] = field(default_factory=dict)
-    """The standbys each host in the job started (or was asked to, rejoining)."""
+    """The standby slots of each host in the job: the standbys it started (or was asked to,
+    rejoining), less those promoted, plus the slots crashes freed there (see
+    :mod:`mover_plugin.launch.refill`)."""
     pool: StandbyPool = field(default_factory=StandbyPool)
     refilling: dict[str, int] = field(default_factory=dict)
     """Standbys started to refill the pool that are not ready yet, with their node."""
@@ -108,7 +110,7 @@ class AttemptState:
 
     @property
     def standby_target(self) -> int:
-        """Standbys of the hosts in the job when every one has started its own."""
+        """Standbys of the hosts in the job when every slot holds a ready one."""
         return sum(self.host_standbys.values())
 
 
@@ -183,8 +185,12 @@ class Context:
 
     def promote(self, plan: list[Replacement], *, migration: bool) -> None:
         """Hands each planned rank to its standby (the agents relabel the processes) and moves
-        the agents to the new generation."""
+        the agents to the new generation. Each standby's slot holds a worker from now on: the
+        pool's target counts one standby fewer on its host."""
+        standbys = self.attempt.host_standbys
         for item in plan:
+            if standbys.get(item.node, 0) > 0:
+                standbys[item.node] -= 1
             self.store.set(promotion_key(item.standby),
                            json.dumps({"rank": item.rank, "generation": self.job.generation,
                                        "migration": migration}))

@@ -139,6 +139,7 @@ class Controller:
         self._timing.when_resumed(self._refill.on_resumed)
         self._attempts.when_standby_ready(self._refill.standby_ready)
         self._attempts.when_standby_lost(self._refill.standby_lost)
+        self._attempts.when_ready_standby_exits(self._refill.replace_exited)
         # A host loss takes its last step before the failure from rank 0's step ends.
         self._step_timeline.when_reported(self._timing.on_steps)
 

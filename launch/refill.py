@@ -11,10 +11,22 @@ starting, is below its target. The new standby joins the pool when it reports re
 started with the attempt; the run summary records each refill (when it was asked for, when it
 was ready, or that it was lost before), and the event log has ``standby_refill``.
 
+A ready standby whose process exits (killed, or hung and killed by its agent) is replaced the
+same way: ``--refill-delay-s`` after its exit, its host starts one standby in its place. A
+refill that exits before it is ready is not replaced again: a host whose standbys cannot start
+would otherwise start one every delay for the rest of the job.
+
 A slot on a host that was lost since (:mod:`mover_plugin.launch.host_loss`) is refilled by
 no one. A planned migration refills nothing: the slot it frees is on the host being drained
 (or on the rank's slow host). A restart starts every standby afresh, so refills in flight are
 forgotten.
+
+The target is the count of standby slots, kept per host (``host_standbys``): a promoted
+standby's slot holds a worker from then on (one fewer on its host); a crash recovered in place
+gives one back on the lost rank's host, which the refill fills; a migration gives none back; a
+slot left empty (a refill lost before it was ready, a standby lost on a host whose workers are
+done) leaves it; a lost host takes its own with it, and a host that joins adds its own. So
+``mover status``'s pool reaches its target whenever nothing is starting.
 """
 
 from __future__ import annotations
@@ -42,8 +54,13 @@ class StandbyRefill(Unit):
         return {}  # the pool's events are the attempts unit's; it tells this one
 
     def freed(self, nodes: list[int]) -> None:
-        """A crash recovery freed one slot on each of ``nodes`` (one entry per lost rank)."""
+        """A crash recovery freed one slot on each of ``nodes`` (one entry per lost rank): the
+        pool's target counts a standby there again (a lost host's slots went with it)."""
         self._forget_other_attempts()
+        standbys = self._ctx.attempt.host_standbys
+        for node in nodes:
+            if node not in self._ctx.job.lost_nodes and node in standbys:
+                standbys[node] += 1
         self._rooms.extend(nodes)
 
     def on_resumed(self, item: Interruption) -> None:
@@ -52,6 +69,20 @@ class StandbyRefill(Unit):
         due = time.monotonic() + self._ctx.config.refill_delay_s
         self._due.extend((due, node) for node in self._rooms)
         self._rooms.clear()
+        self.start_due()
+
+    def replace_exited(self, standby: str, node: int) -> None:
+        """The ready standby ``standby`` on ``node`` exited: its replacement is due after the
+        delay; not while the attempt stops for a restart, nor on a host whose workers are
+        done."""
+        attempt = self._ctx.attempt
+        if attempt.failed:
+            return
+        if node in attempt.done:
+            self._shrink_target(node)
+            return
+        self._forget_other_attempts()
+        self._due.append((time.monotonic() + self._ctx.config.refill_delay_s, node))
         self.start_due()
 
     def start_due(self) -> None:
@@ -86,9 +117,17 @@ class StandbyRefill(Unit):
             self._refill(standby).ready_at = time.time()
 
     def standby_lost(self, standby: str) -> None:
-        """A standby exited; a refill that never got ready is over."""
-        if self._ctx.attempt.refilling.pop(standby, None) is not None:
+        """A standby exited; a refill that never got ready is over, and not started again."""
+        node = self._ctx.attempt.refilling.pop(standby, None)
+        if node is not None:
             self._refill(standby).lost_at = time.time()
+            self._shrink_target(node)
+
+    def _shrink_target(self, node: int) -> None:
+        """A standby slot of ``node`` that stays empty leaves the pool's target."""
+        standbys = self._ctx.attempt.host_standbys
+        if standbys.get(node, 0) > 0:
+            standbys[node] -= 1
 
     def _refill(self, standby: str) -> Refill:
         return next(r for r in reversed(self._ctx.summary.refills) if r.standby == standby)

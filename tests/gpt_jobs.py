@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
-from mover_plugin.testing import CommandResult, run_command
+from mover_plugin.testing import CommandResult, processes_with_env, run_command
 
 EXAMPLE = str(Path(__file__).parents[1] / "examples" / "pretrain_gpt.py")
 LAUNCH = [sys.executable, "-m", "mover_plugin.launch.cli"]
@@ -50,19 +50,7 @@ TAG_ENV = "MOVER_TEST_TAG"
 
 def tagged_processes(tag: str) -> dict[int, dict[str, str]]:
     """pid -> environment of every process started with ``MOVER_TEST_TAG=tag``."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            raw = (entry / "environ").read_bytes()
-        except OSError:
-            continue
-        env = dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0")
-                   if "=" in item)
-        if env.get(TAG_ENV) == tag:
-            found[int(entry.name)] = env
-    return found
+    return processes_with_env(TAG_ENV, tag)
 
 
 def worker_pid(rank: int, tag: str, standby: Optional[str] = None) -> Optional[int]:

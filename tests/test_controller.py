@@ -240,6 +240,28 @@ def test_the_pool_refills_on_the_lost_ranks_host_once_training_resumed(tmp_path,
     assert [r["pool"] for r in job.log("standby_refill")] == [1]
 
 
+@pytest.mark.parametrize("delay_s", [0.0, 3600.0])
+def test_a_ready_standby_that_exits_is_replaced_on_its_host(tmp_path, delay_s):
+    job = Job(tmp_path, refill_delay_s=delay_s)
+    job.provision()
+    job.commands()
+    job.agent(1, "standby_exit", standby="a0.n1.s0", returncode=-9, how="signal SIGKILL")
+    job.poll()
+    refills = [c for c in job.commands() if c["op"] == "refill"]
+    if delay_s:  # not before --refill-delay-s after the exit
+        assert refills == []
+        return
+    assert refills == [{"op": "refill", "attempt": 0, "node": 1, "standby": "a0.n1.r0"}]
+    # The replacement exits before it is ready: it is not replaced again.
+    job.agent(1, "standby_exit", standby="a0.n1.r0", returncode=1, how="exit code 1")
+    job.poll()
+    assert [c for c in job.commands() if c["op"] == "refill"] == []
+    (item,) = job.controller.summary.to_dict()["refills"]
+    assert item["lost_at"] is not None and item["ready_at"] is None
+    status = job.request("status", "s1")  # the slot left empty leaves the target
+    assert status["standby_target"] == 1 and list(status["standbys"]) == ["a0.n0.s0"]
+
+
 def test_a_hung_rank_is_recovered_as_a_hang(job):
     job.provision()
     job.agent(0, "hung", rank=1, standby=None, silent_s=12.5)
@@ -430,6 +452,9 @@ def test_a_planned_migration_runs_through_both_phases(job):
     status = job.request("status", "s2")
     assert status["migrations"] == [] and status["generation"] == 1
     assert status["membership"]["1"] == {"process": "a0.n1.s0", "node": 1}
+    # The joiner's slot holds a worker now and the leaver's is not refilled: the target of
+    # the pool counts one standby fewer, and the pool is at it.
+    assert status["standby_target"] == 1 and list(status["standbys"]) == ["a0.n0.s0"]
 
 
 def test_a_migration_whose_joiner_is_lost_in_phase_1_is_cancelled(job):
@@ -809,8 +834,8 @@ def test_a_lost_host_whose_agent_comes_back_is_a_spare_host_used_by_the_next_fai
     assert rejoin["op"] == "rejoin" and rejoin["node"] == 1 and rejoin["attempt"] == 0
     assert rejoin["generation"] == 1 and rejoin["standbys"] == ["a0.n1.j0", "a0.n1.j1"]
     status = job.request("status", "s1")
-    # the target: the spare host's two (promoted since) and the two of the host back
-    assert status["lost_hosts"] == {} and status["standby_target"] == 4
+    # the target: the two of the host back (the spare host's two slots hold its ranks now)
+    assert status["lost_hosts"] == {} and status["standby_target"] == 2
     (joined,) = job.log("host_joined")
     assert joined["node"] == 1 and joined["standbys"] == ["a0.n1.j0", "a0.n1.j1"]
     job.agent(1, "node_done", steps_completed=None, workers=[])
@@ -846,7 +871,8 @@ def test_a_host_that_asks_to_join_is_admitted_as_a_spare_host_used_by_the_next_f
     job.agent(3, "node_done", steps_completed=None, workers=[])
     job.agent(3, "standby_ready", standby="a0.n3.j0")
     job.poll()
-    assert job.request("status", "s1")["standby_target"] == 3
+    # the target: host 9's one (the spare host's two slots hold host 1's ranks now)
+    assert job.request("status", "s1")["standby_target"] == 1
     assert _fail_rank_2_on_the_spare_host(job) == [
         {"op": "promote", "standby": "a0.n3.j0", "rank": 2, "migration": False}]
 

@@ -490,6 +490,23 @@ def _check_dropout_replays_after_restoring_rng() -> None:
     assert torch.equal(first, replay)
 
 
+def _check_rng_snapshot_goes_back_every_time() -> None:
+    """An iteration dropped twice (a second rank lost while it is redone) starts both times
+    from the snapshot taken at its start: restoring it does not tie it to the live RNG."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    from mover_plugin.megatron.checkpoint import capture_rng_state, restore_rng_state
+
+    tracker = get_cuda_rng_tracker()
+    snapshot = capture_rng_state()
+    draws = []
+    for _ in range(3):
+        restore_rng_state(snapshot)
+        with tracker.fork():
+            draws.append(torch.rand(8))
+    assert torch.equal(draws[0], draws[1]) and torch.equal(draws[1], draws[2])
+
+
 def test_megatron_cpu_group_trains_deterministically_and_reverts() -> None:
     pytest.importorskip("megatron.core")
     if torch.cuda.is_available():
@@ -515,6 +532,7 @@ def test_megatron_cpu_group_trains_deterministically_and_reverts() -> None:
 
         _check_rng_tracker()
         _check_dropout_replays_after_restoring_rng()
+        _check_rng_snapshot_goes_back_every_time()
 
         before, after, losses = _train(distributed_optimizer=False)
         assert all(math.isfinite(loss) for loss in losses)

@@ -179,10 +179,11 @@ def test_no_twin_falls_back_to_the_restart_baseline(tmp_path, reference_tp2_pp2)
     assert "data-parallel size is 1" in fallback["reason"]
 
 
-def test_a_standby_dying_while_idle_only_shrinks_the_pool(tmp_path, reference_pp2):
+def test_a_standby_dying_while_idle_is_replaced_and_training_goes_on(tmp_path, reference_pp2):
     events_path = tmp_path / "events.jsonl"
     command = [*LAUNCH, "--standalone", "--nproc-per-node", "4", "--policy", "resilient",
-               "--standbys", "1", "--event-log", str(events_path), EXAMPLE, *MODEL, *PP2]
+               "--standbys", "1", "--refill-delay-s", "0", "--event-log", str(events_path),
+               EXAMPLE, *MODEL, *PP2]
     with background_job(command, tag=tmp_path.name) as process:
         wait_for_events(events_path, lambda es: any(e["event"] == "standby_ready" for e in es),
                   process)
@@ -193,6 +194,8 @@ def test_a_standby_dying_while_idle_only_shrinks_the_pool(tmp_path, reference_pp
     events = read_events(events_path)
     (lost,) = [e for e in events if e["event"] == "standby_lost"]
     assert lost["pool"] == 0 and lost["how"] == "signal SIGKILL"
+    (refill,) = [e for e in events if e["event"] == "standby_refill"]
+    assert refill["standby"] == "a0.n0.r0" and refill["node"] == 0 and refill["pool"] == 0
     assert not [e for e in events if e["event"] in ("worker_failed", "fallback", "restart")]
 
 

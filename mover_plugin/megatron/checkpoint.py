@@ -70,12 +70,17 @@ def capture_rng_state() -> dict[str, Any]:
 
 
 def restore_rng_state(state: dict[str, Any]) -> None:
+    """Puts this rank's RNG states back to ``state``, which stays unchanged: the tracker gets
+    copies (its ``set_states`` keeps the dictionary it is given and its ``fork`` replaces
+    entries there, so a snapshot restored once would follow the RNG from then on, and a
+    second restore — an iteration dropped twice — would not go back)."""
     from megatron.core import tensor_parallel
 
     random.setstate(state["random"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(
+        {name: rng.clone() for name, rng in state["tracker"].items()})
 
 
 def latest_iteration(root: str | os.PathLike) -> Optional[int]:

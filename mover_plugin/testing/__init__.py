@@ -2,15 +2,16 @@
 
 ``run_ranks`` runs a function on N processes joined in a gloo group over a TCPStore on a port
 the OS chose; ``run_command`` runs a command line (e.g. ``mover-launch``) in its own process
-group. Both use layered timeouts (the group's < the harness's < the test runner's), kill every
+group; ``processes_with_env`` finds a job's processes by a tag in their environment. Both use layered timeouts (the group's < the harness's < the test runner's), kill every
 child they started in ``finally``, and bind each child to die with its parent.
 """
 
 from mover_plugin.testing.harness import (
     CommandResult,
     RankFailure,
+    processes_with_env,
     run_command,
     run_ranks,
 )
 
-__all__ = ["CommandResult", "RankFailure", "run_command", "run_ranks"]
+__all__ = ["CommandResult", "RankFailure", "processes_with_env", "run_command", "run_ranks"]

@@ -16,6 +16,7 @@ import subprocess
 import time
 import traceback
 from dataclasses import dataclass
+from pathlib import Path
 from datetime import timedelta
 from typing import Any, Callable, Optional, Sequence
 
@@ -150,3 +151,22 @@ def run_command(
         signal_group(process, signal.SIGKILL)
         process.wait()
     return CommandResult(process.returncode, stdout, stderr, time.monotonic() - started)
+
+
+def processes_with_env(name: str, value: str) -> dict[int, dict[str, str]]:
+    """pid -> environment of every live process of this user whose environment has
+    ``name=value`` (a tag a test or benchmark puts in a job's environment, which every process
+    of the job inherits), read from ``/proc``."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            raw = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        env = dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0")
+                   if "=" in item)
+        if env.get(name) == value:
+            found[int(entry.name)] = env
+    return found
