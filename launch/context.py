@@ -108,6 +108,11 @@ class AttemptState:
     """Standbys started for hosts that came back, in this attempt."""
 
 
+    def shrink_standby_slots(self, node: int) -> None:
+        """One standby slot of ``node`` leaves the target (it holds a worker, or stays empty)."""
+        if self.host_standbys.get(node, 0) > 0:
+            self.host_standbys[node] -= 1
+
     @property
     def standby_target(self) -> int:
         """Standbys of the hosts in the job when every slot holds a ready one."""
@@ -187,10 +192,8 @@ class Context:
         """Hands each planned rank to its standby (the agents relabel the processes) and moves
         the agents to the new generation. Each standby's slot holds a worker from now on: the
         pool's target counts one standby fewer on its host."""
-        standbys = self.attempt.host_standbys
         for item in plan:
-            if standbys.get(item.node, 0) > 0:
-                standbys[item.node] -= 1
+            self.attempt.shrink_standby_slots(item.node)
             self.store.set(promotion_key(item.standby),
                            json.dumps({"rank": item.rank, "generation": self.job.generation,
                                        "migration": migration}))

@@ -79,7 +79,7 @@ class StandbyRefill(Unit):
         if attempt.failed:
             return
         if node in attempt.done:
-            self._shrink_target(node)
+            attempt.shrink_standby_slots(node)
             return
         self._forget_other_attempts()
         self._due.append((time.monotonic() + self._ctx.config.refill_delay_s, node))
@@ -121,13 +121,7 @@ class StandbyRefill(Unit):
         node = self._ctx.attempt.refilling.pop(standby, None)
         if node is not None:
             self._refill(standby).lost_at = time.time()
-            self._shrink_target(node)
-
-    def _shrink_target(self, node: int) -> None:
-        """A standby slot of ``node`` that stays empty leaves the pool's target."""
-        standbys = self._ctx.attempt.host_standbys
-        if standbys.get(node, 0) > 0:
-            standbys[node] -= 1
+            self._ctx.attempt.shrink_standby_slots(node)
 
     def _refill(self, standby: str) -> Refill:
         return next(r for r in reversed(self._ctx.summary.refills) if r.standby == standby)

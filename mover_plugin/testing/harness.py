@@ -16,8 +16,8 @@ import subprocess
 import time
 import traceback
 from dataclasses import dataclass
-from pathlib import Path
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import torch.distributed as dist
