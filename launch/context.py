@@ -124,6 +124,9 @@ class GenerationState:
     ready: dict[int, float] = field(default_factory=dict)
     first_step: dict[int, float] = field(default_factory=dict)
     switched: dict[int, float] = field(default_factory=dict)
+    joiners: list[Replacement] = field(default_factory=list)
+    """The replacements this generation was planned with after a crash (none for the first
+    generation of an attempt or a migration's)."""
 
 
 class Context:

@@ -111,10 +111,12 @@ class CrashRecovery(Unit):
             self._ctx.record("fallback", "fallback", rank=rank, reason=reason)
             logger.error("%s; following the restart path", reason)
         elif self._ctx.config.policy == "resilient":
+            unfinished = self._unfinished_joiners()
             plan = plan_recovery(lost, self._ctx.layout(), self._ctx.attempt.pool,
-                                 self._ctx.job.node_of_rank)
+                                 self._ctx.job.node_of_rank,
+                                 carried=[item for item in unfinished if item.rank not in lost])
             if not isinstance(plan, Fallback):
-                self._switch_generation(plan, interruption)
+                self._switch_generation(plan, interruption, lost, rebuild_all=bool(unfinished))
                 return None
             self._ctx.record("fallback", "fallback", rank=rank, reason=plan.reason)
             logger.warning("falling back to a restart: %s", plan.reason)
@@ -130,22 +132,38 @@ class CrashRecovery(Unit):
                 return claim
         return [event["rank"]]
 
-    def _switch_generation(self, plan: list[Replacement], interruption: Interruption) -> None:
+    def _unfinished_joiners(self) -> list[Replacement]:
+        """The current generation's replacements (of a crash) that have not reported their
+        switch: while any is left, some process may still be building that generation's
+        groups or waiting for its state."""
+        switched = self._ctx.generation.switched
+        return [item for item in self._ctx.generation.joiners if item.rank not in switched]
+
+    def _switch_generation(self, plan: list[Replacement], interruption: Interruption,
+                           lost: list[int], *, rebuild_all: bool) -> None:
+        """Starts the generation of ``plan``: the standbys of the ``lost`` ranks are promoted;
+        a replacement carried over from a switch still under way keeps its standby. With
+        ``rebuild_all`` (that switch was not complete, so its groups may exist on some ranks
+        and not on others) every process rebuilds all its groups."""
         ctx = self._ctx
-        freed = [ctx.job.node_of_rank[item.rank] for item in plan]
+        fresh = [item for item in plan if item.rank in lost]
+        freed = [ctx.job.node_of_rank[item.rank] for item in fresh]
         ctx.job.membership = ctx.job.membership.next_generation(plan)
         old = ctx.plan_generation({"world_size": ctx.config.world_size,
-                                   "replacements": [vars(item) for item in plan]})
+                                   "replacements": [vars(item) for item in plan],
+                                   "rebuild_all": rebuild_all})
+        ctx.generation.joiners = list(plan)
         ctx.notify(old, "alarm", reason=f"rank {interruption.rank} lost")
-        ctx.promote(plan, migration=False)
+        ctx.promote(fresh, migration=False)
         now = time.time()
         interruption.recovery = "standby"
         interruption.generation = ctx.job.generation
         interruption.mark("alarm", now)
         self._timing.note_left(interruption)
         for item in plan:
-            ctx.record("promote", "switch", rank=item.rank, when=now, standby=item.standby,
-                       twin=item.twin, pool=len(ctx.attempt.pool))
+            ctx.record("promote" if item in fresh else "carried", "switch", rank=item.rank,
+                       when=now, standby=item.standby, twin=item.twin,
+                       pool=len(ctx.attempt.pool))
         logger.info("generation %d: %s", ctx.job.generation,
                     ", ".join(f"rank {i.rank} <- standby {i.standby} (twin {i.twin})"
                               for i in plan))

@@ -114,23 +114,33 @@ def plan_recovery(
     layout: Optional[ParallelLayout],
     pool: StandbyPool,
     node_of_rank: Optional[dict[int, int]] = None,
+    carried: Sequence[Replacement] = (),
 ) -> Plan:
-    """Replacements for the ``failed`` ranks, or the reason the job must fall back."""
+    """Replacements for the ``failed`` ranks, or the reason the job must fall back.
+
+    ``carried``: replacements of the switch still under way (their standbys were promoted but
+    have no state yet; none of them failed). They stay with their standbys and take part
+    again: each copies from a twin that is neither failed nor carried."""
     if layout is None:
         return Fallback("the parallel layout is unknown (the workers did not publish it)")
     if len(failed) > len(pool):
         return Fallback(f"{len(failed)} rank(s) lost but {len(pool)} standby(s) ready")
     lost = set(failed)
+    without_state = lost | {item.rank for item in carried}
     twin_of = {}
-    for rank in sorted(lost):
-        twins = [t for t in layout.data_parallel_twins(rank) if t not in lost]
+    for rank in sorted(without_state):
+        twins = [t for t in layout.data_parallel_twins(rank) if t not in without_state]
         if not twins:
             reason = ("the data-parallel size is 1" if layout.dp == 1
-                      else "every data-parallel twin was lost too")
+                      else "every data-parallel twin was lost too" if not carried
+                      else "every data-parallel twin was lost too or has no state yet")
             return Fallback(f"rank {rank} has no live data-parallel twin ({reason})")
         twin_of[rank] = twins[0]
-    return [Replacement(rank, standby, twin_of[rank], node) for rank, (standby, node) in
-            _take_standbys(sorted(lost), pool, node_of_rank or {}, strict=False)]
+    fresh = [Replacement(rank, standby, twin_of[rank], node) for rank, (standby, node) in
+             _take_standbys(sorted(lost), pool, node_of_rank or {}, strict=False)]
+    kept = [Replacement(item.rank, item.standby, twin_of[item.rank], item.node)
+            for item in carried]
+    return sorted(fresh + kept, key=lambda item: item.rank)
 
 
 def plan_migration(ranks: Sequence[int], pool: StandbyPool, node_of_rank: dict[int, int], *,

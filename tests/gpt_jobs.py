@@ -82,13 +82,15 @@ def background_job(command: list[str], tag: Optional[str] = None,
 
 
 def wait_for_events(events_path: Path, done: Callable[[list[dict]], bool],
-                    process: subprocess.Popen, timeout_s: float = 240) -> list[dict]:
-    """The event log once ``done(records)`` holds (the job must still run meanwhile)."""
+                    process: subprocess.Popen, timeout_s: float = 240,
+                    poll_s: float = 0.1) -> list[dict]:
+    """The event log once ``done(records)`` holds (the job must still run meanwhile), read
+    every ``poll_s``."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         events = read_events(events_path) if events_path.exists() else []
         if done(events):
             return events
         assert process.poll() is None, "the job ended first"
-        time.sleep(0.1)
+        time.sleep(poll_s)
     raise AssertionError("timed out")

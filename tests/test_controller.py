@@ -177,7 +177,7 @@ def test_a_crash_with_a_ready_standby_switches_generation(job):
     job.exit(1)
     assert job.poll() is None
     plan = job.json(plan_key(1))
-    assert plan == {"generation": 1, "world_size": 4, "replacements": [
+    assert plan == {"generation": 1, "world_size": 4, "rebuild_all": False, "replacements": [
         {"rank": 1, "standby": "a0.n1.s0", "twin": 0, "node": 1}]}
     assert job.key(successor_key(0)) == "1" and job.key(CURRENT_GENERATION_KEY) == "1"
     assert job.json(promotion_key("a0.n1.s0")) == {"rank": 1, "generation": 1,
@@ -208,6 +208,64 @@ def test_a_crash_with_a_ready_standby_switches_generation(job):
     assert resumed["generation"] == 1 and resumed["downtime_s"] == pytest.approx(3.03)
     assert [r["standby"] for r in job.log("promote")] == ["a0.n1.s0"]
     assert job.controller.summary.restarts == 0
+
+
+def test_a_second_loss_during_the_switch_carries_the_unfinished_joiner_over(tmp_path):
+    """Rank 1 is lost, its standby promoted; before that joiner reports its switch, rank 2 is
+    lost too. The next generation replaces rank 2 with a fresh standby, keeps rank 1 with the
+    standby it has (copying again from a twin that is neither lost nor a joiner), and has
+    every process rebuild all its groups; a joiner that reported its switch is not carried."""
+    job = Job(tmp_path, standbys=2)
+    job.provision()
+    job.commands()
+    job.exit(1)
+    assert job.poll() is None
+    assert job.json(plan_key(1))["replacements"] == [
+        {"rank": 1, "standby": "a0.n1.s0", "twin": 0, "node": 1}]
+    job.commands()
+    job.generation = 1
+    for rank in (0, 3):
+        job.worker("switched", rank=rank, role="survivor", time=T0 + 6.0)
+    job.exit(2, when=T0 + 6.1)
+    assert job.poll() is None
+    plan = job.json(plan_key(2))
+    assert plan["rebuild_all"] is True
+    assert plan["replacements"] == [
+        {"rank": 1, "standby": "a0.n1.s0", "twin": 0, "node": 1},
+        {"rank": 2, "standby": "a0.n0.s0", "twin": 0, "node": 0}]
+    assert job.key(successor_key(1)) == "2"
+    assert job.commands() == [
+        {"op": "notice", "generation": 1, "kind": "alarm", "reason": "rank 2 lost"},
+        {"op": "promote", "standby": "a0.n0.s0", "rank": 2, "migration": False},
+        {"op": "generation", "generation": 2},
+    ]
+    assert [(r["rank"], r["standby"]) for r in job.log("carried")] == [(1, "a0.n1.s0")]
+    assert [r["standby"] for r in job.log("promote")] == ["a0.n1.s0", "a0.n0.s0"]
+    # Generation 2 completes its switch; a later loss carries no one over.
+    job.generation = 2
+    job.all_ranks("switched", when=T0 + 7.0)
+    job.first_steps(when=T0 + 8.0)
+    job.exit(3, when=T0 + 9.0)
+    assert job.poll() is None
+    plan = job.json(plan_key(3))
+    assert plan["rebuild_all"] is False and [r["rank"] for r in plan["replacements"]] == [3]
+
+
+def test_a_second_loss_falls_back_when_the_joiners_only_twin_is_lost(tmp_path):
+    """Rank 3's joiner has no state yet when rank 1, its only data-parallel twin (TP2·DP2),
+    is lost: neither can get its state from a live rank, so the job restarts."""
+    job = Job(tmp_path, standbys=2)
+    job.provision()
+    job.store.set(LAYOUT_KEY, json.dumps({"tp": 2, "pp": 1, "dp": 2}))
+    job.commands()
+    job.exit(3)
+    assert job.poll() is None
+    job.generation = 1
+    job.exit(1, when=T0 + 6.1)
+    assert job.poll() is None
+    (fallback,) = job.log("fallback")
+    assert fallback["reason"] == ("rank 1 has no live data-parallel twin (every data-parallel "
+                                  "twin was lost too or has no state yet)")
 
 
 @pytest.mark.parametrize("delay_s", [0.0, 3600.0])

@@ -123,6 +123,44 @@ DISTRIBUTED = ["--pipeline-model-parallel-size", "2", "--train-iters", "10",
                "--use-distributed-optimizer"]
 
 
+def test_a_second_rank_lost_during_the_switch_is_survived_exactly(tmp_path, reference_pp2_40):
+    """Rank 3 is SIGKILLed; as soon as the controller promotes its standby (before the switch
+    completes), rank 0 is SIGKILLed too. The survivors and the joiner give up the generation
+    they were building; the next one replaces rank 0 and keeps rank 3's joiner, every group is
+    rebuilt, and training goes on in place with the failure-free parameters."""
+    events_path, summary_path = tmp_path / "events.jsonl", tmp_path / "summary.json"
+    command = [*LAUNCH, "--standalone", "--nproc-per-node", "4", "--policy", "resilient",
+               "--standbys", "2", "--refill-delay-s", "3600", "--event-log", str(events_path),
+               "--summary", str(summary_path), EXAMPLE, *MODEL,
+               "--pipeline-model-parallel-size", "2", "--train-iters", "40", "--resilient"]
+    with background_job(command, tag=tmp_path.name) as process:
+        wait_for_events(events_path, lambda es: any(
+            e["event"] == "steps" and e["steps"][-1][0] >= 10 for e in es), process)
+        first, second = worker_pid(3, tmp_path.name), worker_pid(0, tmp_path.name)
+        os.kill(first, signal.SIGKILL)
+        wait_for_events(events_path, lambda es: any(e["event"] == "promote" for e in es),
+                        process, poll_s=0.005)  # the switch takes a few hundred ms
+        os.kill(second, signal.SIGKILL)
+        output, _ = process.communicate(timeout=240)
+    assert process.returncode == 0, output[-4000:]
+    assert f"PARAMS_DIGEST {digest(reference_pp2_40)}" in output
+    events = read_events(events_path)
+    assert not [e for e in events if e["event"] in ("fallback", "restart")]
+    assert [(e["rank"], e["generation"]) for e in events if e["event"] == "worker_failed"] == [
+        (3, 0), (0, 1)]
+    (carried,) = [e for e in events if e["event"] == "carried"]
+    (promoted_first, promoted_second) = [e for e in events if e["event"] == "promote"]
+    assert (carried["rank"], carried["generation"]) == (3, 2)
+    assert carried["standby"] == promoted_first["standby"] and carried["twin"] == 2
+    assert (promoted_second["rank"], promoted_second["twin"]) == (0, 1)
+    switched = {e["rank"]: e["role"] for e in events
+                if e["event"] == "switched" and e["generation"] == 2}
+    assert switched == {0: "joiner", 1: "survivor", 2: "survivor", 3: "joiner"}
+    assert [e["generation"] for e in events if e["event"] == "resumed"] == [2]
+    summary = json.loads(summary_path.read_text())
+    assert summary["restarts"] == 0 and summary["steps_completed"] == 40
+
+
 def test_the_distributed_optimizer_continues_in_place_from_the_peer_copy(tmp_path,
                                                                          reference_distopt):
     """With --use-distributed-optimizer a SIGKILLed rank's optimizer shard comes from the copy

@@ -3,13 +3,14 @@
 Some things exist once per process and every group, work and backend of the package shares
 them: the alarm, the threads that wait in backend ``wait()`` calls, the backends retired with
 operations still pending, the live ``mover`` groups the alarm must reach, the lock around
-registering backends with c10d, and the sandbox's operation counters. :class:`CommContext`
+registering backends with c10d, the sandbox's operation counters, and the check that cancels
+the construction of groups no longer wanted. :class:`CommContext`
 holds them, one small state object per concept, and :func:`default_context` returns the
 process's instance. The public functions of :mod:`~mover_plugin.comm.alarm`,
 :mod:`~mover_plugin.comm.work`, :mod:`~mover_plugin.comm.retired`,
-:mod:`~mover_plugin.comm.process_group`, :mod:`~mover_plugin.comm.backend` and
-:mod:`~mover_plugin.comm.sandbox` act on that instance, and those modules document what the
-state means and how its locks are used. The state objects here only hold the data and the
+:mod:`~mover_plugin.comm.process_group`, :mod:`~mover_plugin.comm.backend`,
+:mod:`~mover_plugin.comm.sandbox` and :mod:`~mover_plugin.comm.cancel` act on that instance, and
+those modules document what the state means and how its locks are used. The state objects here only hold the data and the
 locks that guard it (the waiter pool also runs its threads).
 
 The default instance is never replaced or reset: a retired backend must stay referenced until
@@ -125,6 +126,13 @@ class LiveGroups:
 
 
 @dataclass(eq=False)
+class CancelState:
+    """The cancel check of :mod:`~mover_plugin.comm.cancel` installed now, if any."""
+
+    check: Optional[Callable[[], Optional[str]]] = None
+
+
+@dataclass(eq=False)
 class SandboxCounters:
     """How many operations of each kind the sandbox groups answered, guarded by ``lock``."""
 
@@ -144,6 +152,7 @@ class CommContext:
     """Makes checking for and registering a c10d backend plugin one step
     (:func:`mover_plugin.comm.backend.register_plugin`)."""
     sandbox: SandboxCounters = field(default_factory=SandboxCounters)
+    cancel: CancelState = field(default_factory=CancelState)
 
 
 _DEFAULT = CommContext()

@@ -48,6 +48,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from torch.distributed import PrefixStore, Store
 
+from mover_plugin.comm.cancel import BuildCancelled, wait_for_keys
 from mover_plugin.comm.errors import CommAborted
 from mover_plugin.comm.process_group import BACKEND_NAME, MoverProcessGroup
 from mover_plugin.comm.world import WorldGroup, group_members, group_name_order
@@ -166,6 +167,9 @@ def prepare_delta(generation_store: Store, changed: Collection[int], *, timeout:
                                         share_with=by_members.get(members))
                 by_members.setdefault(members, new)
             delta.replacements[name] = (old, new)
+    except BuildCancelled:
+        discard_delta(delta)
+        raise
     except Exception as error:
         discard_delta(delta)
         raise DeltaError(f"could not build the next generation's groups: {error}") from error
@@ -232,7 +236,8 @@ def agree_on_idle_groups(store: Store, kept_candidates: Mapping[str, tuple[Any, 
     """After an alarm: which of these groups (none holds a lost rank) are *not* idle on every
     member. Each member waits up to ``drain_s`` for operations still completing, posts whether
     the group is idle on its side under ``store``, and reads its fellow members' answers (one
-    ``multi_get`` per group). Every member of a group reaches the same answer."""
+    ``multi_get`` per group). Every member of a group reaches the same answer. The wait for a
+    fellow member's answer ends with the cancel check (:mod:`mover_plugin.comm.cancel`)."""
     deadline = time.monotonic() + drain_s
     groups = {name: group for name, (group, _) in kept_candidates.items()}
     while time.monotonic() < deadline and not all(_is_idle(g) for g in groups.values()):
@@ -243,7 +248,7 @@ def agree_on_idle_groups(store: Store, kept_candidates: Mapping[str, tuple[Any, 
     unsettled = []
     for name, (_, info) in kept_candidates.items():
         keys = [f"idle/{name}/{member}" for member in info.global_ranks]
-        store.wait(keys, timeout)
+        wait_for_keys(store, keys, timeout)
         if any(value != b"1" for value in store.multi_get(keys)):
             unsettled.append(name)
     return unsettled

@@ -48,7 +48,7 @@ from torch.distributed.distributed_c10d import (
     ScatterOptions,
 )
 
-from mover_plugin.comm import alarm, retired
+from mover_plugin.comm import alarm, cancel, retired
 from mover_plugin.comm.context import LiveGroups, default_context
 from mover_plugin.comm.errors import CollectiveAborted, CommAborted
 from mover_plugin.comm.named import NamedProcessGroup
@@ -98,21 +98,40 @@ def _make_gloo(store: Store, rank: int, size: int, timeout: timedelta, *,
 
     c10d's gloo group connects every member to every other at creation (``size - 1``
     connections each), so rebuilding a group that holds a replaced rank costs every member
-    more as the group grows. Here a group of more than two ranks is created with pairs that
+    more as the group grows. Here a group of two ranks or more is created with pairs that
     connect on first use, and a one-element all-reduce (gloo's ring) connects each member to
     group ranks ``rank - 1`` and ``rank + 1`` before the constructor returns: the pairs that
     ring all-reduce and all-gather and a pipeline's point-to-point traffic use. Pairs that
     other operations need (broadcast and barrier trees, point-to-point beyond a neighbour)
-    connect inside the first such operation. ``full_mesh`` keeps c10d's way.
+    connect inside the first such operation. ``full_mesh`` keeps c10d's way. Within
+    :func:`mover_plugin.comm.cancel.cancel_when`, the first connections are given up (the
+    backend kept until its own timeout ends them) when the check names a reason.
     """
-    if full_mesh or size <= 2:
+    if full_mesh or size == 1:
         return dist.ProcessGroupGloo(store, rank, size, timeout)
     options = dist.ProcessGroupGloo._Options()
     options._timeout = timeout
     options._devices = _gloo_devices()
     gloo = dist.ProcessGroupGloo(store, rank, size, options)
-    gloo.allreduce([torch.zeros(1)]).wait()
+    connect = gloo.allreduce([torch.zeros(1)])
+    try:
+        cancel.wait_for_work(connect, timeout, "connecting to the ring neighbours")
+    except cancel.BuildCancelled:
+        # The connection may still be waiting for a member that never comes: the backend is
+        # kept until it gives up, so that dropping it does not join a blocked thread.
+        retired.retire("(cancelled)", [gloo], [_Pending(connect)])
+        raise
     return gloo
+
+
+class _Pending:
+    """A backend work as :func:`mover_plugin.comm.retired.retire` watches it."""
+
+    def __init__(self, work: Any) -> None:
+        self._work = work
+
+    def done(self) -> bool:
+        return bool(self._work.is_completed())
 
 
 def _gloo_devices() -> list[Any]:

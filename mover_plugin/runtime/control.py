@@ -69,8 +69,12 @@ class ControlClient:
         return connect_to_controller(self._addr, self._port, self._timeout_s)
 
     def generation_store(self, generation: int) -> dist.Store:
-        """The namespace generation ``generation``'s process groups rendezvous in."""
-        return dist.PrefixStore(generation_prefix(generation), self.store)
+        """The namespace generation ``generation``'s process groups rendezvous in, on a
+        connection of its own. A gloo backend waits there for a peer's address (a pair that
+        connects on first use, in one of its threads) and holds the connection while it waits:
+        that must hold up neither this client's calls nor the next attempt at a switch when
+        the peer is dead."""
+        return dist.PrefixStore(generation_prefix(generation), self._connect())
 
     def publish_layout(self, layout: ParallelLayout) -> None:
         self.store.set(LAYOUT_KEY, json.dumps({"tp": layout.tp, "pp": layout.pp,
@@ -99,6 +103,20 @@ class ControlClient:
         """Blocks until the controller has planned the generation after ``generation``;
         returns its number."""
         return int(self._wait_and_get(successor_key(generation)))
+
+    def successor_within(self, generation: int, timeout_s: float) -> bool:
+        """Whether the controller plans the generation after ``generation`` within
+        ``timeout_s`` seconds."""
+        try:
+            self.store.wait([successor_key(generation)], timedelta(seconds=timeout_s))
+        except dist.DistStoreError:
+            return False
+        return True
+
+    def has_successor(self, generation: int) -> bool:
+        """Whether the controller has planned the generation after ``generation`` (without
+        blocking)."""
+        return self.store.check([successor_key(generation)])
 
     def wait_for_switch(self, generation: int) -> bool:
         """Blocks until the controller has decided whether the migration to ``generation``

@@ -46,9 +46,11 @@ from mover_plugin.comm import (
     raise_alarm,
     register_backend,
 )
+from mover_plugin.comm.cancel import BuildCancelled, cancel_when, raise_if_cancelled
 from mover_plugin.comm.delta import (
     PreparedDelta,
     agree_on_idle_groups,
+    discard_delta,
     install_delta,
     member_groups,
     prepare_delta,
@@ -153,6 +155,22 @@ class ResilienceRuntime:
         if self._watch is None:
             raise LaunchError("the resilience runtime needs the job to run under "
                               "'mover-launch' (no notice pipe from its agent)")
+        if self.joiner_of is None:
+            self._init_groups()
+            if self.rank == 0:
+                self.control.publish_layout(layout)
+            return
+        while True:
+            try:
+                with cancel_when(self._superseded):
+                    self._init_groups()
+                return
+            except Exception as error:  # noqa: BLE001 - filtered just below
+                self._switch_again_or_raise("building its groups", error)
+                self._tear_down_groups()
+            self._follow_as_joiner()
+
+    def _init_groups(self) -> None:
         # The others' default group is covered by their other groups: a joiner's needs no
         # connections of its own (mover_plugin.comm.world).
         dist.init_process_group(BACKEND_NAME, store=self.control.generation_store(self.generation),
@@ -160,8 +178,12 @@ class ResilienceRuntime:
                                 timeout=self.timeout(),
                                 pg_options=WorldOptions(connect=self.joiner_of is None))
         self.adapter.init_groups()
-        if self.rank == 0 and self.joiner_of is None:
-            self.control.publish_layout(layout)
+
+    def _tear_down_groups(self) -> None:
+        """Drops whatever a joiner built of a superseded generation's groups."""
+        self.adapter.teardown()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
     def begin(self, applied: int) -> int:
         """A rank that started with the job begins at ``applied`` completed iterations."""
@@ -182,14 +204,76 @@ class ResilienceRuntime:
 
     def _continue_as_joiner(self) -> int:
         """In a migration the state and iteration come from the leaver; after a crash the
-        ranks agree on the iteration first, with the joiner."""
+        ranks agree on the iteration first, with the joiner. A crash's switch superseded by
+        the next generation (another rank lost meanwhile) is joined again in that one."""
         if self._joining_migration:
             self._receive_or_exit(Transfer.HANDOVER)
             return self.ledger.applied
+        plan: Optional[dict[str, Any]] = None
+        while True:
+            try:
+                with cancel_when(self._superseded):
+                    return self._join_in(plan)
+            except Exception as error:  # noqa: BLE001 - filtered just below
+                self._switch_again_or_raise("joining", error)
+            plan = self._follow_as_joiner()
+
+    def _join_in(self, plan: Optional[dict[str, Any]]) -> int:
+        """A joiner's part of a crash's switch: (rejoining, with the new generation's
+        ``plan``) its groups rebuilt, then the iteration agreed and its state received."""
+        if plan is not None:
+            self._rebuild_groups(plan)
+        # An alarm that came before this generation's groups existed did not abort them.
+        raise_if_cancelled()
         continuation = self.adapter.continue_as_joiner()
         if not continuation.rolled_back:
-            self._receive_or_exit(Transfer.COPY_RECEIVED)
+            self._receive_state(Transfer.COPY_RECEIVED)
         return continuation.iteration
+
+    def _follow_as_joiner(self) -> dict[str, Any]:
+        """After the switch this joiner took part in was superseded: moves to the next
+        generation and returns its plan, which gives this process its rank again (otherwise
+        the controller gave up the switch, and the process exits)."""
+        self.advance_generation()
+        plan = self.control.wait_for_plan(self.generation)
+        record = self._replacement_in(plan)
+        if record is None:
+            logger.error("rank %d: generation %d does not keep this process in its place; "
+                         "exiting", self.rank, self.generation)
+            self.finish()
+            exit_now(status=1)
+        self.joiner_of = record
+        self.progress.generation = self.generation
+        clear_alarm()  # the superseded generation's alarm; its groups are gone or replaced
+        return plan
+
+    def _replacement_in(self, plan: dict[str, Any]) -> Optional[dict[str, Any]]:
+        """This process's record among ``plan``'s replacements (a promoted standby carried
+        over from a switch still under way), or None."""
+        standby = self.control.standby_id
+        return next((item for item in plan["replacements"]
+                     if item["rank"] == self.rank and item["standby"] == standby), None)
+
+    def _superseded(self) -> Optional[str]:
+        """The cancel check of a switch (:mod:`mover_plugin.comm.cancel`): why the generation
+        being switched to is no longer wanted — the controller planned the next one because
+        another rank was lost meanwhile — or None."""
+        if self.control.has_successor(self.generation):
+            return f"generation {self.generation} was superseded"
+        return None
+
+    def _switch_again_or_raise(self, doing: str, error: BaseException) -> None:
+        """After ``error`` while switching to (or joining) this generation: returns if the
+        controller planned the next one (another rank was lost; the switch starts again
+        there), and re-raises ``error`` if it is this process's own or no next generation
+        comes within the collective timeout."""
+        self._raise_unless_lost_peer(error)
+        if not self.control.successor_within(self.generation,
+                                             self.settings.collective_timeout_s):
+            raise error
+        logger.warning("rank %d: generation %d ended while %s (%s: %s); switching again",
+                       self.rank, self.generation, doing, type(error).__name__,
+                       str(error)[:160])
 
     def _receive_or_exit(self, transfer: Transfer) -> None:
         """Receives this joiner's state; if the process handing it over is lost, the
@@ -331,20 +415,46 @@ class ResilienceRuntime:
     # -- generation switch ----------------------------------------------------------------
 
     def _switch_generation(self, snapshot: dict[str, Any]) -> Continuation:
-        """A survivor's switch after a lost rank; returns where all ranks continue."""
+        """A survivor's switch after a lost rank; returns where all ranks continue. When
+        another rank is lost before the switch completes, the controller plans the next
+        generation and the switch starts again in that one."""
         started = time.time()
         self.migration.discard()  # a migration under way is called off
-        self.advance_generation()
-        plan = self.control.wait_for_plan(self.generation)
-        replaced = self._rebuild_groups({item["rank"] for item in plan["replacements"]})
-        self.progress.generation = self.generation
+        while True:
+            self.advance_generation()
+            plan = self.control.wait_for_plan(self.generation)
+            self.progress.generation = self.generation
+            try:
+                with cancel_when(self._superseded):
+                    if self._replacement_in(plan) is not None:
+                        return self._rejoin(plan, started)
+                    continuation, replaced = self._survive_in(plan, snapshot)
+                break
+            except Exception as error:  # noqa: BLE001 - filtered just below
+                self._switch_again_or_raise("switching", error)
+        self.control.post("switched", rank=self.rank, role="survivor", time=time.time(),
+                          switch_s=time.time() - started, references=replaced)
+        return continuation
+
+    def _survive_in(self, plan: dict[str, Any],
+                    snapshot: dict[str, Any]) -> tuple[Continuation, int]:
+        """A survivor's part of a switch: its groups rebuilt where ``plan`` needs, the
+        iteration agreed, each of its joiners sent its state. Returns where all ranks continue
+        and how many cached references to groups were rewritten."""
+        replaced = self._rebuild_groups(plan)
         continuation = self.adapter.continue_after_crash(plan, snapshot)
         for lost, sender in continuation.senders.items():
             if sender == self.rank:
                 self._send_state(lost, continuation.iteration)
-        self.control.post("switched", rank=self.rank, role="survivor", time=time.time(),
-                          switch_s=time.time() - started, references=replaced)
-        return continuation
+        return continuation, replaced
+
+    def _rejoin(self, plan: dict[str, Any], started: float) -> Continuation:
+        """A promoted standby that was still a joiner when the controller planned ``plan``
+        (it may not have its state yet) joins again: its state comes from a twin once more."""
+        iteration = self._join_in(plan)
+        self.control.post("switched", rank=self.rank, role="joiner", time=time.time(),
+                          build_s=time.time() - started, adopted=False)
+        return Continuation(iteration)
 
     def advance_generation(self, generation: Optional[int] = None) -> None:
         """Moves to ``generation`` (by default the one the controller names next)."""
@@ -356,14 +466,20 @@ class ResilienceRuntime:
         self._watch.follow(self.generation)
         self.migration.reset_switch()
 
-    def _rebuild_groups(self, lost: set[int]) -> int:
-        """After a crash: rebuilds this generation's groups that contain a lost rank or that
-        some member left in the middle of an operation, and keeps the others; returns how many
-        cached references to the old ones were rewritten."""
+    def _rebuild_groups(self, plan: dict[str, Any]) -> int:
+        """After a crash: rebuilds this generation's groups that contain a replaced rank or
+        that some member left in the middle of an operation, and keeps the others — or
+        rebuilds them all when the plan says so (it follows a switch that did not complete,
+        whose groups some ranks may have and others not). Returns how many cached references
+        to the old groups were rewritten."""
         store = self.control.generation_store(self.generation)
-        candidates = {name: entry for name, entry in member_groups().items()
-                      if not entry[1].is_default and not lost & set(entry[1].global_ranks)}
-        unsettled = agree_on_idle_groups(store, candidates, timeout=self.timeout())
+        if plan.get("rebuild_all"):
+            lost, unsettled = set(range(self.world_size)), []
+        else:
+            lost = {item["rank"] for item in plan["replacements"]}
+            candidates = {name: entry for name, entry in member_groups().items()
+                          if not entry[1].is_default and not lost & set(entry[1].global_ranks)}
+            unsettled = agree_on_idle_groups(store, candidates, timeout=self.timeout())
         delta = prepare_delta(store, lost, timeout=self.timeout(), unsettled=unsettled)
         return self.install_groups(delta)
 
@@ -371,6 +487,11 @@ class ResilienceRuntime:
         """Puts the next generation's groups in place; returns how many cached references
         to replaced groups were rewritten."""
         clear_alarm()
+        try:
+            raise_if_cancelled()  # an alarm for this generation that came before the clearing
+        except BuildCancelled:
+            discard_delta(delta)
+            raise
         replaced = install_delta(delta)
         objects, modules = self.adapter.group_holders()
         count = (sum(rewire_module_globals(module, replaced) for module in modules)
