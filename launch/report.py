@@ -29,6 +29,9 @@ from mover_plugin.launch.summary import PHASES
 SUMMARY_NAME = "summary.json"
 EVENT_LOG_NAME = "events.jsonl"
 PICTURE_NAME = "report.png"
+TITLED_BANDS = 12
+"""Up to this many interruptions, each band over the step times carries its title; beyond,
+only its number (the titles would overlap)."""
 
 PHASE_COLOURS = {
     "detected": "#d62728", "alarm": "#ff7f0e", "left": "#bcbd22", "switched": "#2ca02c",
@@ -230,14 +233,17 @@ def _training_span(run: Run) -> Optional[tuple[float, float]]:
 
 
 def _draw_interruptions(run: Run, axis: Any) -> None:
-    """Each interruption as a band over the step times, split into its phases."""
-    for number, item in enumerate(run.summary["interruptions"], start=1):
+    """Each interruption as a band over the step times, split into its phases, labelled with
+    its number (and, when there are few, its title; the phase chart below has them all)."""
+    items = run.summary["interruptions"]
+    for number, item in enumerate(items, start=1):
         segments = _phase_segments(item)
         for begin, end, phase in segments:
             axis.axvspan(begin - run.start, end - run.start, alpha=0.35, linewidth=0,
                          color=PHASE_COLOURS.get(phase, "#cccccc"))
         if segments:
-            axis.annotate(f"#{number} {_title(item)}", xy=(segments[0][0] - run.start, 0.98),
+            label = f"#{number} {_title(item)}" if len(items) <= TITLED_BANDS else f"#{number}"
+            axis.annotate(label, xy=(segments[0][0] - run.start, 0.98),
                           xycoords=("data", "axes fraction"), xytext=(-3, 0),
                           textcoords="offset points", va="top", ha="right", rotation=90,
                           fontsize=7)
