@@ -386,13 +386,19 @@ def _events(run: Path) -> list[dict]:
     return read_events(run) if (run / "events.jsonl").exists() else []
 
 
+def _digests(run: Path) -> list[str]:
+    """The ``PARAMS_DIGEST`` lines of every host's log: the rank that prints it may end the
+    run on any host, its first one having been replaced."""
+    return [line.split()[1] for log in sorted(run.glob("host*.log"))
+            for line in log.read_text(errors="replace").splitlines()
+            if line.startswith("PARAMS_DIGEST")]
+
+
 def _report(run: Path, faults: list[tuple[str, bool]], returncode: Optional[int],
             expected: str) -> None:
     summary = read_summary(run)
     events = _events(run)
-    output = (run / "host0.log").read_text()
-    digest = [line.split()[1] for line in output.splitlines()
-              if line.startswith("PARAMS_DIGEST")]
+    digest = _digests(run)
     equal = returncode == 0 and len(digest) == 1 and digest[0].startswith(expected)
     fallbacks = [e for e in events if e["event"] == "fallback"]
     print(f"\njob exit code {returncode}, {summary['steps_completed']} steps, "
