@@ -107,7 +107,6 @@ class AttemptState:
     rejoin_standbys: int = 0
     """Standbys started for hosts that came back, in this attempt."""
 
-
     def shrink_standby_slots(self, node: int) -> None:
         """One standby slot of ``node`` leaves the target (it holds a worker, or stays empty)."""
         if self.host_standbys.get(node, 0) > 0:

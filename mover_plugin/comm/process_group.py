@@ -118,20 +118,11 @@ def _make_gloo(store: Store, rank: int, size: int, timeout: timedelta, *,
         cancel.wait_for_work(connect, timeout, "connecting to the ring neighbours")
     except cancel.BuildCancelled:
         # The connection may still be waiting for a member that never comes: the backend is
-        # kept until it gives up, so that dropping it does not join a blocked thread.
-        retired.retire("(cancelled)", [gloo], [_Pending(connect)])
+        # kept until it gives up, so that dropping it does not join a blocked thread (the
+        # observer that asks the work itself whether it is done).
+        retired.retire("(cancelled)", [gloo], [observe(connect, stream_ordered=True)])
         raise
     return gloo
-
-
-class _Pending:
-    """A backend work as :func:`mover_plugin.comm.retired.retire` watches it."""
-
-    def __init__(self, work: Any) -> None:
-        self._work = work
-
-    def done(self) -> bool:
-        return bool(self._work.is_completed())
 
 
 def _gloo_devices() -> list[Any]:
