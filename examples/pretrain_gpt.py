@@ -168,36 +168,13 @@ def setup_model_and_optimizer(args: argparse.Namespace):
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed import finalize_model_grads
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-    from megatron.core.transformer import TransformerConfig
+    from megatron.core.optimizer import get_megatron_optimizer
 
-    config = TransformerConfig(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        ffn_hidden_size=args.ffn_hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout,
-        init_method_std=args.init_method_std,
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        pipeline_dtype=torch.float32,
-        params_dtype=torch.float32,
-        use_cpu_initialization=not torch.cuda.is_available(),
-    )
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(),
-        vocab_size=args.padded_vocab_size,
-        max_sequence_length=args.max_position_embeddings,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        position_embedding_type="learned_absolute",
-    )
+    model = build_gpt(args, num_layers=args.num_layers,
+                      pre_process=parallel_state.is_pipeline_first_stage(),
+                      post_process=parallel_state.is_pipeline_last_stage(),
+                      pipeline_size=args.pipeline_model_parallel_size)
+    config = model.config
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     ddp_config = DistributedDataParallelConfig(
@@ -205,23 +182,75 @@ def setup_model_and_optimizer(args: argparse.Namespace):
         use_distributed_optimizer=args.use_distributed_optimizer,
     )
     model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(
-            optimizer="adam",
-            lr=args.lr,
-            min_lr=args.min_lr,
-            weight_decay=args.weight_decay,
-            adam_beta1=args.adam_beta1,
-            adam_beta2=args.adam_beta2,
-            clip_grad=args.clip_grad,
-            params_dtype=torch.float32,
-            use_distributed_optimizer=args.use_distributed_optimizer,
-        ),
-        [model],
-        use_gloo_process_groups=args.enable_gloo_process_groups,
+    optimizer = get_megatron_optimizer(optimizer_config(args), [model],
+                                       use_gloo_process_groups=args.enable_gloo_process_groups)
+    scheduler = build_scheduler(args, optimizer)
+    # The schedule calls these between micro-batches and after the last one.
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+    config.no_sync_func = model.no_sync
+    return model, optimizer, scheduler
+
+
+def build_gpt(args: argparse.Namespace, *, num_layers: int, pre_process: bool,
+              post_process: bool, pipeline_size: int = 1, pg_collection=None):
+    """The GPT model of one pipeline stage of ``num_layers`` transformer layers; with
+    ``pg_collection`` a stage of a pipeline template (its groups given, not parallel_state's)."""
+    import torch
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+
+    config = TransformerConfig(
+        num_layers=num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=pipeline_size,
+        pipeline_dtype=torch.float32,
+        params_dtype=torch.float32,
+        use_cpu_initialization=not torch.cuda.is_available(),
     )
+    extra = {} if pg_collection is None else {"pg_collection": pg_collection}
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type="learned_absolute",
+        **extra,
+    )
+
+
+def optimizer_config(args: argparse.Namespace):
+    import torch
+    from megatron.core.optimizer import OptimizerConfig
+
+    return OptimizerConfig(
+        optimizer="adam",
+        lr=args.lr,
+        min_lr=args.min_lr,
+        weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2,
+        clip_grad=args.clip_grad,
+        params_dtype=torch.float32,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+    )
+
+
+def build_scheduler(args: argparse.Namespace, optimizer):
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
     samples = args.global_batch_size
-    scheduler = OptimizerParamScheduler(
+    return OptimizerParamScheduler(
         optimizer,
         init_lr=0.0 if args.lr_warmup_iters else args.lr,
         max_lr=args.lr,
@@ -234,11 +263,33 @@ def setup_model_and_optimizer(args: argparse.Namespace):
         wd_incr_steps=args.train_iters * samples,
         wd_incr_style="constant",
     )
-    # The schedule calls these between micro-batches and after the last one.
-    config.finalize_model_grads_func = finalize_model_grads
-    config.grad_scale_func = optimizer.scale_loss
-    config.no_sync_func = model.no_sync
-    return model, optimizer, scheduler
+
+
+def stage_recipe(args: argparse.Namespace, dataset):
+    """How a stage of a pipeline template is built and trained, with this script's model,
+    optimizer, schedule and data (mover_plugin.megatron.template_training)."""
+    from mover_plugin.data import get_microbatch, microbatch_sample_indices
+    from mover_plugin.megatron.template_training import StageRecipe
+
+    def microbatch(iteration: int, slot: int):
+        # Slot s of the global batch is Megatron's micro-batch s // DP of data-parallel rank
+        # s % DP: the same samples, whichever pipeline trains on it.
+        index, dp_rank = divmod(slot, args.data_parallel_size)
+        return get_microbatch(dataset, microbatch_sample_indices(
+            iteration, index, dp_rank, micro_batch_size=args.micro_batch_size,
+            data_parallel_size=args.data_parallel_size,
+            global_batch_size=args.global_batch_size))
+
+    return StageRecipe(
+        build_model=partial(build_gpt, args),
+        optimizer_config=optimizer_config(args),
+        build_scheduler=partial(build_scheduler, args),
+        forward_step=forward_step,
+        microbatch=microbatch,
+        seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size,
+        global_batch_size=args.global_batch_size,
+    )
 
 
 def first_iteration(args, resilience, model, optimizer, scheduler) -> int:

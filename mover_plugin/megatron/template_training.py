@@ -1,0 +1,354 @@
+"""Training a Megatron-Core model on a pipeline-template placement: pipelines of different
+lengths side by side, and moving layers between ranks when the placement changes.
+
+A rank of a :class:`~mover_plugin.placement.Placement` builds the model of its stage alone
+(its transformer layers, with the embeddings on a first stage and the final norm and output
+layer on a last one) with explicit process groups (Megatron-Core's ``pg_collection``): its
+pipeline's group for the point-to-point traffic of the 1F1B schedule and for the gradient
+norm, the pipeline's two ends for the tied word embedding, itself alone for everything
+data-parallel. Megatron-Core's own schedule, ``DistributedDataParallel`` (over one rank) and
+optimizer train it. The data-parallel reduction is this module's: after the schedule's own
+finalisation, every gradient is scaled by the rank's share of the global batch
+(:meth:`~mover_plugin.placement.Placement.weight`; the schedule has divided by the pipeline's
+own micro-batch count) and summed over the gradient group of the ranks holding the same
+parameters, so every holder applies the update of the full job: the mean over all the global
+batch's micro-batches (up to the order of float additions). A pipeline's last stage holds a
+copy of the tied word embedding whose gradient the schedule has already summed with the first
+stage's; it adds nothing to the sum.
+
+:func:`relayout` moves parameters and optimizer state (Adam's moments and step) unit by unit
+(:func:`~mover_plugin.placement.transfers`) from the ranks that hold them to those that need
+them, from a model of any placement (or the job's own Megatron-Core model, as a
+:class:`StageState`) to the new stage's.
+
+Limits: tensor-parallel size 1 (a stage is one rank); no dropout in a test that compares with
+the full job (which rank runs a micro-batch changes its dropout masks); Megatron-Core's plain
+(not distributed) optimizer.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from mover_plugin.placement import Placement, StageRole, Transfer, embedding_ends, layer_unit
+
+logger = logging.getLogger(__name__)
+
+ModelBuilder = Callable[..., Any]
+"""``(num_layers=, pre_process=, post_process=, pg_collection=)`` -> a Megatron-Core model
+with ``config`` (its ``TransformerConfig``, pipeline size 1) for one stage."""
+
+
+@dataclass
+class StageRecipe:
+    """What a stage needs from the training script: its model, optimizer, schedule and data."""
+
+    build_model: ModelBuilder
+    optimizer_config: Any
+    """Megatron-Core's ``OptimizerConfig``."""
+    build_scheduler: Callable[[Any], Any]
+    """optimizer -> Megatron-Core's ``OptimizerParamScheduler``."""
+    forward_step: Callable[[Iterator[Any], Any], Any]
+    microbatch: Callable[[int, int], Any]
+    """(iteration, slot of the global batch) -> the micro-batch."""
+    seq_length: int
+    micro_batch_size: int
+    global_batch_size: int
+
+
+# -- groups -----------------------------------------------------------------------------------
+
+
+class PlacementGroups:
+    """The groups of a placement, made by every rank of the current world in one order."""
+
+    def __init__(self, placement: Placement, rank: int) -> None:
+        self.rank = rank
+        self._groups: dict[tuple[int, ...], Any] = {}
+        for ranks in placement.rank_sets():
+            group = dist.new_group(list(ranks))
+            if rank in ranks:
+                self._groups[ranks] = group
+
+    def __getitem__(self, ranks: Sequence[int]) -> Any:
+        return self._groups[tuple(sorted(ranks))]
+
+    def collection(self, role: StageRole) -> Any:
+        """Megatron-Core's ``ProcessGroupCollection`` of ``role``'s stage."""
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        alone = self[(self.rank,)]
+        pipeline = self[role.pipeline_ranks]
+        ends = embedding_ends(role.pipeline_ranks)
+        return ProcessGroupCollection(
+            tp=alone, cp=alone, tp_cp=alone, ep=alone, expt_tp=alone, tp_ep=alone,
+            dp=alone, dp_cp=alone, tp_dp_cp=alone, expt_dp=alone, intra_dp_cp=alone,
+            intra_expt_dp=alone, intra_dist_opt=alone, inter_dist_opt=alone,
+            pp=pipeline, mp=pipeline, tp_ep_pp=pipeline,
+            embd=self[ends] if self.rank in ends else None,
+            pos_embd=alone if role.pre_process else None,
+        )
+
+    def destroy(self) -> None:
+        for group in self._groups.values():
+            dist.destroy_process_group(group)
+        self._groups.clear()
+
+
+# -- names --------------------------------------------------------------------------------------
+
+
+def canonical_name(name: str, first_layer: int) -> str:
+    """A stage's parameter name as the full model's: global layer numbers, and the tied output
+    weight under the word embedding's name."""
+    prefix = "decoder.layers."
+    if name.startswith(prefix):
+        local, rest = name[len(prefix):].split(".", 1)
+        return f"{prefix}{first_layer + int(local)}.{rest}"
+    return name
+
+
+def unit_of(name: str, tied: bool) -> str:
+    """The placement unit of a canonical parameter name."""
+    if name.startswith("decoder.layers."):
+        return layer_unit(int(name.split(".")[2]))
+    if name.startswith("embedding.word_embeddings.") or (tied and name.startswith("output_layer.")):
+        return "embedding"
+    if name.startswith("embedding.position_embeddings."):
+        return "position"
+    if name.startswith("output_layer."):
+        return "output"
+    return "final_norm"
+
+
+@dataclass
+class StageState:
+    """A stage's parameters by canonical name, and the optimizer holding their state."""
+
+    parameters: dict[str, torch.nn.Parameter]
+    optimizer: Any
+    tied: bool = True
+
+    @classmethod
+    def of_model(cls, module: torch.nn.Module, optimizer: Any, first_layer: int, *,
+                 tied: bool = True) -> "StageState":
+        """``module`` (a Megatron-Core model, unwrapped) whose first transformer layer is global
+        layer ``first_layer``."""
+        names = {}
+        for name, param in module.named_parameters():
+            canonical = canonical_name(name, first_layer)
+            if tied and name.startswith("output_layer."):
+                canonical = canonical.replace("output_layer.", "embedding.word_embeddings.", 1)
+            names[canonical] = param
+        return cls(names, optimizer, tied)
+
+    def unit_parameters(self, unit: str) -> list[tuple[str, torch.nn.Parameter]]:
+        return sorted((name, param) for name, param in self.parameters.items()
+                      if unit_of(name, self.tied) == unit)
+
+    def unit_tensors(self, unit: str) -> list[torch.Tensor]:
+        """Each parameter of ``unit`` and its Adam state (moments and step), created empty if
+        the optimizer has not stepped yet."""
+        tensors = []
+        for _, param in self.unit_parameters(unit):
+            state = adam_state(self.optimizer, param)
+            tensors += [param.data, state["exp_avg"], state["exp_avg_sq"], state["step"]]
+        return tensors
+
+
+def torch_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
+    """The torch optimizers inside a Megatron-Core one (chained or not)."""
+    chained = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    return [item.optimizer for item in chained]
+
+
+def adam_state(optimizer: Any, param: torch.nn.Parameter) -> dict[str, torch.Tensor]:
+    for inner in torch_optimizers(optimizer):
+        if any(param is p for group in inner.param_groups for p in group["params"]):
+            state = inner.state[param]
+            if "exp_avg" not in state:
+                state["step"] = torch.zeros((), dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(param.data)
+                state["exp_avg_sq"] = torch.zeros_like(param.data)
+            if not torch.is_tensor(state["step"]):
+                state["step"] = torch.tensor(float(state["step"]))
+            return state
+    raise KeyError("the parameter is in none of the optimizer's groups")
+
+
+def relayout(moves: Sequence[Transfer], rank: int, old: Optional[StageState],
+             new: StageState, group: Any = None) -> int:
+    """Sends and receives ``moves`` (every rank calls it with the same list): each unit's
+    parameters and optimizer state, in one message per unit; the rest of ``new`` is taken from
+    ``old`` where both hold it. Returns the bytes this rank received."""
+    received = 0
+    if old is not None:
+        _copy_kept(old, new, {m.unit for m in moves if m.destination == rank})
+    for move in moves:
+        if move.source == rank and move.destination == rank:
+            continue
+        if move.source == rank:
+            assert old is not None, f"rank {rank} has no state to send {move.unit}"
+            dist.send(_flat(old.unit_tensors(move.unit)), dst=move.destination, group=group)
+        elif move.destination == rank:
+            tensors = new.unit_tensors(move.unit)
+            flat = _flat(tensors)
+            dist.recv(flat, src=move.source, group=group)
+            _unflatten(flat, tensors)
+            received += flat.numel() * flat.element_size()
+    return received
+
+
+def _copy_kept(old: StageState, new: StageState, incoming: set[str]) -> None:
+    """Copies into ``new`` every unit both hold that is not coming from another rank."""
+    units = {unit_of(name, new.tied) for name in new.parameters} - incoming
+    with torch.no_grad():
+        for unit in units:
+            source = old.unit_tensors(unit)
+            target = new.unit_tensors(unit)
+            if source and len(source) == len(target):
+                for to, fro in zip(target, source):
+                    to.copy_(fro)
+
+
+def _flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1).float() for t in tensors])
+
+
+def _unflatten(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    offset = 0
+    with torch.no_grad():
+        for tensor in tensors:
+            count = tensor.numel()
+            tensor.copy_(flat[offset:offset + count].view_as(tensor))
+            offset += count
+
+
+# -- the stage ----------------------------------------------------------------------------------
+
+
+class StageTrainer:
+    """One rank's stage of a placement: its model, optimizer and scheduler, and its step."""
+
+    def __init__(self, placement: Placement, rank: int, recipe: StageRecipe,
+                 groups: PlacementGroups) -> None:
+        from megatron.core.distributed import (DistributedDataParallel,
+                                               DistributedDataParallelConfig)
+        from megatron.core.optimizer import get_megatron_optimizer
+
+        self.placement = placement
+        self.role = placement.role(rank)
+        self.rank = rank
+        self.recipe = recipe
+        self.groups = groups
+        self.pg_collection = groups.collection(self.role)
+        ensure_megatron_globals()
+        module = recipe.build_model(num_layers=self.role.num_layers,
+                                    pre_process=self.role.pre_process,
+                                    post_process=self.role.post_process,
+                                    pg_collection=self.pg_collection)
+        self.config = module.config
+        if placement.tied and self.role.post_process and not self.role.pre_process:
+            # As Megatron-Core marks the last stage's copy in a pipeline of its own layout:
+            # counted once in the gradient norm, summed with the first stage's gradient.
+            module.output_layer.weight.shared = True
+            module.output_layer.weight.shared_embedding = True
+        self.module = module
+        self.model = DistributedDataParallel(config=self.config,
+                                             ddp_config=DistributedDataParallelConfig(),
+                                             module=module, pg_collection=self.pg_collection)
+        self.optimizer = get_megatron_optimizer(recipe.optimizer_config, [self.model],
+                                                use_gloo_process_groups=False,
+                                                pg_collection=self.pg_collection)
+        self.scheduler = recipe.build_scheduler(self.optimizer)
+        self.config.finalize_model_grads_func = self._finalize_grads
+        self.config.grad_scale_func = self.optimizer.scale_loss
+        self.config.no_sync_func = self.model.no_sync
+        self.state = StageState.of_model(module, self.optimizer, self.role.layers[0],
+                                         tied=placement.tied)
+        self._reductions = self._gradient_reductions()
+
+    def _gradient_reductions(self) -> list[tuple[Any, list[tuple[str, torch.nn.Parameter]]]]:
+        mine = []
+        for ranks, units in self.placement.gradient_groups():
+            if self.rank in ranks:
+                params = [item for unit in units for item in self.state.unit_parameters(unit)]
+                mine.append((self.groups[ranks], params))
+        return mine
+
+    def _adds_nothing(self, name: str) -> bool:
+        """Whether the parameter is a last stage's copy of the tied word embedding, whose
+        gradient already holds the first stage's (its pipeline's share is counted there)."""
+        return (self.placement.tied and self.role.post_process and not self.role.pre_process
+                and unit_of(name, True) == "embedding")
+
+    def _finalize_grads(self, model_chunks: list, num_tokens: Any = None, **_: Any) -> None:
+        from megatron.core.distributed import finalize_model_grads
+
+        finalize_model_grads(model_chunks, num_tokens, pg_collection=self.pg_collection)
+        weight = self.placement.weight(self.rank)
+        for group, params in self._reductions:
+            grads = []
+            for name, param in params:
+                param.main_grad.mul_(0.0 if self._adds_nothing(name) else weight)
+                grads.append(param.main_grad)
+            flat = _flat(grads)
+            dist.all_reduce(flat, group=group)
+            _unflatten(flat, grads)
+
+    def train_step(self, iteration: int) -> tuple[float, float]:
+        """One optimizer step on global batch ``iteration``: (mean loss over the global batch,
+        gradient norm); every rank of the world calls it."""
+        from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+        from megatron.core.pipeline_parallel.schedules import (
+            forward_backward_no_pipelining,
+            forward_backward_pipelining_without_interleaving,
+        )
+
+        role, recipe = self.role, self.recipe
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        data = (recipe.microbatch(iteration, slot) for slot in range(*role.microbatches))
+        common = dict(forward_step_func=recipe.forward_step, data_iterator=data,
+                      model=[self.model], num_microbatches=role.num_microbatches,
+                      seq_length=recipe.seq_length, micro_batch_size=recipe.micro_batch_size,
+                      forward_only=False, pg_collection=self.pg_collection)
+        if len(role.pipeline_ranks) > 1:
+            p2p = P2PCommunicator(pp_group=self.pg_collection.pp, config=self.config)
+            losses = forward_backward_pipelining_without_interleaving(p2p_communicator=p2p,
+                                                                      **common)
+        else:
+            losses = forward_backward_no_pipelining(**common)
+        _, grad_norm, _ = self.optimizer.step()
+        self.scheduler.step(increment=recipe.global_batch_size)
+        return self._global_loss(losses), float(grad_norm or 0.0)
+
+    def _global_loss(self, losses: list[dict[str, torch.Tensor]]) -> float:
+        total = torch.zeros(1, dtype=torch.float64)
+        if self.role.post_process:
+            total += sum(float(item["lm loss"]) for item in losses)
+        dist.all_reduce(total)
+        return total.item() / self.placement.microbatches
+
+    def take_scheduler_state(self, state: dict[str, Any]) -> None:
+        """The learning-rate schedule where the job's was."""
+        self.scheduler.num_steps = 0
+        self.scheduler.load_state_dict(state)
+
+
+def ensure_megatron_globals() -> None:
+    """What Megatron-Core's layers read from ``parallel_state`` even with explicit groups: the
+    global memory buffer and the model-parallel RNG tracker (one tensor-parallel rank)."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    if getattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None) is None:
+        parallel_state._set_global_memory_buffer()
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    if "model-parallel-rng" not in tracker.get_states():
+        tensor_parallel.model_parallel_cuda_manual_seed(torch.initial_seed() % (2 ** 31),
+                                                        tp_rank=0, ep_rank=0, etp_rank=0)
