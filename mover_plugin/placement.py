@@ -11,7 +11,8 @@ follow the groups a plan needs, made in one order on every rank:
   Megatron-Core);
 - one *gradient group* per distinct set of ranks holding the same parameters: every layer's
   gradient is summed over all its holders, each pipeline's share weighted by its part of the
-  global batch (:meth:`Placement.weight`), so the update equals that of the full job.
+  global batch (:meth:`Placement.weight`), so the update equals that of the full job;
+- all ranks, for the gradient norm, to which each unit counts once, from its first holder.
 
 The parameters are named by *units*: ``embedding`` (the word embedding, tied to the output
 layer unless ``tied`` is false, then ``output`` is its own unit), ``position``,
@@ -80,18 +81,26 @@ class Placement:
 
     @classmethod
     def of_plan(cls, plan: Instantiation, ranks: Sequence[int], num_layers: int, *,
-                tied: bool = True, previous: Optional["Placement"] = None) -> "Placement":
+                tied: bool = True, previous: Optional["Placement"] = None,
+                fresh: Iterable[int] = ()) -> "Placement":
         """``plan``'s pipelines on ``ranks``, its template stages mapped to transformer layers
-        (:func:`transformer_stages`). In order (the first pipeline on the first ranks), or,
-        given the ``previous`` placement, each stage on the free rank that already holds most
-        of its layers (fewer to copy)."""
+        (:func:`transformer_stages`). In order (the first pipeline on the first ranks, its
+        stages on them in ascending order), or,
+        given the ``previous`` placement, each pipeline on the free ranks that already hold
+        most of its layers (fewer to copy; ``fresh`` ranks hold nothing), its stages on them
+        in ascending order."""
         if len(ranks) != plan.hosts or len(set(ranks)) != len(ranks):
             raise PlacementError(f"a plan for {plan.hosts} hosts needs as many distinct ranks, "
                                  f"not {list(ranks)}")
         pipelines = [(transformer_stages(t, num_layers), m)
                      for t, m in zip(plan.pipelines, plan.microbatches)]
         if previous is not None:
-            ranks = _closest_ranks(pipelines, ranks, previous)
+            ranks = _closest_ranks(pipelines, ranks, previous, set(fresh))
+        else:
+            ranks, at = list(ranks), 0
+            for stages, _ in pipelines:
+                ranks[at:at + len(stages)] = sorted(ranks[at:at + len(stages)])
+                at += len(stages)
         return cls.of_pipelines(pipelines, ranks, num_layers, tied=tied)
 
     @classmethod
@@ -107,6 +116,11 @@ class Placement:
             members = tuple(ranks[len(roles):len(roles) + len(stages)])
             if len(members) != len(stages):
                 raise PlacementError(f"{len(ranks)} ranks are too few for the pipelines")
+            if list(members) != sorted(members):
+                # A group orders its members by rank, and Megatron-Core takes a stage's place
+                # in the pipeline from its rank in the pipeline's group.
+                raise PlacementError(f"pipeline {list(members)}: its stages must be on "
+                                     "ascending ranks")
             for stage, layers in enumerate(stages):
                 roles.append(StageRole(members[stage], index, stage, members, tuple(layers),
                                        (slot, slot + count)))
@@ -176,8 +190,8 @@ class Placement:
 
     def rank_sets(self) -> list[tuple[int, ...]]:
         """Every group the plan needs (pipelines, their embedding ends, gradient groups, each
-        rank alone), once each, in the order every rank creates them."""
-        sets = {(rank,) for rank in self.ranks}
+        rank alone, all ranks), once each, in the order every rank creates them."""
+        sets = {(rank,) for rank in self.ranks} | {tuple(sorted(self.ranks))}
         for members in self.pipelines():
             sets.add(members)
             sets.add(embedding_ends(members))
@@ -201,23 +215,26 @@ class Placement:
 
 
 def _closest_ranks(pipelines: Sequence[tuple[Sequence[tuple[int, int]], int]],
-                   ranks: Sequence[int], previous: Placement) -> list[int]:
-    """``ranks`` in stage order, each stage taking the free rank whose previous layers overlap
+                   ranks: Sequence[int], previous: Placement, fresh: set[int]) -> list[int]:
+    """``ranks`` in stage order: for each stage the free rank whose previous layers overlap
     its own most (ties: the one that held fewer layers, which other stages need less; then the
-    lowest rank)."""
+    lowest rank), each pipeline's ranks then put in ascending order (see
+    :meth:`Placement.of_pipelines`)."""
     free = sorted(ranks)
-    chosen = []
+    chosen: list[int] = []
     for stages, _ in pipelines:
+        members = []
         for first, end in stages:
             def closeness(rank: int) -> tuple[int, int, int]:
-                if rank not in previous.ranks:
+                if rank not in previous.ranks or rank in fresh:
                     return (-1, 0, -rank)
                 had = previous.role(rank).layers
                 overlap = max(0, min(end, had[1]) - max(first, had[0]))
                 return (overlap, -(had[1] - had[0]), -rank)
             best = max(free, key=closeness)
             free.remove(best)
-            chosen.append(best)
+            members.append(best)
+        chosen += sorted(members)
     return chosen
 
 
@@ -284,9 +301,9 @@ def transfers(old: Placement, new: Placement, live: Optional[Iterable[int]] = No
     ``old`` (or every unit, for a ``fresh`` rank, one with no state), from the first live holder
     in ``old``; in one order for every rank. Raises :class:`PlacementError` when a unit has no
     live holder."""
-    alive = set(old.ranks if live is None else live) - set(fresh)
-    before = {unit: [r for r in ranks if r in alive] for unit, ranks in old.holders().items()}
     fresh = set(fresh)
+    alive = set(old.ranks if live is None else live) - fresh
+    before = {unit: [r for r in ranks if r in alive] for unit, ranks in old.holders().items()}
     listed = []
     for role in new.roles:
         held = set() if role.rank in fresh or role.rank not in old.ranks else set(

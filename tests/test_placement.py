@@ -135,3 +135,23 @@ def test_random_plans_hold_every_unit_and_split_the_batch(seed):
     for unit, ranks in holders.items():  # one holder per pipeline (two for the tied weight)
         pipelines = {placement.role(r).pipeline for r in ranks}
         assert len(pipelines) == len(placement.pipelines()) or unit == "embedding"
+
+
+def test_a_pipelines_stages_are_on_ascending_ranks_even_when_the_lowest_rank_returns():
+    # rank 0 was lost: ranks 1-3 trained on [1 3] + [2]; rank 0 comes back with nothing
+    templates = plan_templates(transformer_profile(4), pipeline_size=2)
+    shrunk = Placement.of_pipelines([([(0, 3), (3, 4)], 2), ([(0, 4)], 2)], [1, 3, 2], 4)
+    grown = Placement.of_plan(instantiate(templates, 4, 4, 1), [0, 1, 2, 3], 4,
+                              previous=shrunk, fresh=[0])
+    for members in grown.pipelines():
+        assert list(members) == sorted(members)
+        assert [grown.role(r).stage for r in members] == list(range(len(members)))
+    with pytest.raises(PlacementError, match=r"pipeline \[3, 0\]: its stages must be on "
+                                             "ascending ranks"):
+        Placement.of_pipelines([([(0, 2), (2, 4)], 2), ([(0, 2), (2, 4)], 2)],
+                               [1, 2, 3, 0], 4)
+
+
+def test_the_gradient_norm_group_is_every_rank():
+    assert SHRUNK.rank_sets()[-1] == (0, 1, 2)
+    assert (0, 1, 2, 3) in JOB.rank_sets()

@@ -10,9 +10,15 @@ forward and backward on one micro-batch a few times; hooks time each part:
   is the time between the gradient reaching its output and reaching its input (for the
   embedding, the end of the backward pass);
 - activations: the bytes autograd saves for the backward pass while the part runs forward
-  (each storage once);
-- static memory: the parameters, their fp32 gradients, Adam's two fp32 moments, and an fp32
-  master copy when the parameters are not fp32.
+  (each storage once; the parameters it saves, for a matrix product's gradient, are not
+  activations);
+- static memory: the parameters, their gradients (Megatron-Core's ``main_grad``, in the
+  parameters' dtype), Adam's two fp32 moments, and an fp32 master copy when the parameters are
+  not fp32. A tied word embedding is counted in the embedding and again in the output layer:
+  a pipeline of more than one stage holds a copy on each end (one of a single stage is
+  over-counted by that copy).
+
+On a GPU each hook synchronises first, so that the times are the kernels', not their launches'.
 
 The medians over the repeats are taken; the first run only warms up. The profile's layers are
 ``embedding``, ``layer 0`` .. ``layer L-1`` and ``output``, as
@@ -33,15 +39,16 @@ from mover_plugin.templates import LayerCost, Profile
 
 ADAM_BYTES_PER_PARAMETER = 8
 """Two fp32 moments."""
-GRADIENT_BYTES_PER_PARAMETER = 4
-"""Megatron-Core's fp32 ``main_grad``."""
 
 
 class _Clock:
     """Times and saved bytes of one forward and backward pass, by part."""
 
-    def __init__(self, parts: list[str]) -> None:
+    def __init__(self, parts: list[str], parameters: set[int], device: torch.device) -> None:
         self.parts = parts
+        self.parameters = parameters
+        """The storages of the model's parameters (saved by a part, not its activations)."""
+        self.device = device
         self.forward: dict[str, float] = {}
         self.grad_at_output: dict[str, float] = {}
         self.saved: dict[str, int] = dict.fromkeys(parts, 0)
@@ -50,9 +57,15 @@ class _Clock:
         """When the last transformer layer's forward ended (the output layer's start)."""
         self._storages: set[tuple[str, int]] = set()
 
+    def now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
     def save(self, tensor: torch.Tensor) -> torch.Tensor:
-        key = (self.current, tensor.untyped_storage().data_ptr())
-        if key not in self._storages:
+        storage = tensor.untyped_storage().data_ptr()
+        key = (self.current, storage)
+        if storage not in self.parameters and key not in self._storages:
             self._storages.add(key)
             self.saved[self.current] += tensor.untyped_storage().nbytes()
         return tensor
@@ -77,7 +90,8 @@ def measure_profile(model: Any, forward_step: Callable[[Iterator[Any], Any], Any
 
 def _one_pass(model: Any, layers: list, parts: list[str], forward_step: Callable,
               batch: Any) -> tuple[dict[str, float], dict[str, float], dict[str, int]]:
-    clock = _Clock(parts)
+    params = list(model.parameters())
+    clock = _Clock(parts, {p.untyped_storage().data_ptr() for p in params}, params[0].device)
     modules = [model.embedding, *layers]
     handles = []
     for part, module in zip(parts, modules):
@@ -88,10 +102,10 @@ def _one_pass(model: Any, layers: list, parts: list[str], forward_step: Callable
         with torch.autograd.graph.saved_tensors_hooks(clock.save, lambda tensor: tensor):
             output, loss_func = forward_step(iter([batch]), model)
             loss = loss_func(output)[0]
-        forward_end = time.perf_counter()
-        backward_start = time.perf_counter()
+        forward_end = clock.now()
+        backward_start = clock.now()
         loss.backward()
-        backward_end = time.perf_counter()
+        backward_end = clock.now()
     finally:
         for handle in handles:
             handle.remove()
@@ -107,13 +121,13 @@ def _one_pass(model: Any, layers: list, parts: list[str], forward_step: Callable
 def _enter(clock: _Clock, part: str) -> Callable:
     def hook(module: Any, args: Any) -> None:
         clock.current = part
-        clock.forward[part] = -time.perf_counter()
+        clock.forward[part] = -clock.now()
     return hook
 
 
 def _leave(clock: _Clock, part: str) -> Callable:
     def hook(module: Any, args: Any, output: Any) -> None:
-        now = time.perf_counter()
+        now = clock.now()
         clock.forward[part] += now
         clock.forward_end_of_last = now
         clock.current = "output"  # until the next part's pre-hook
@@ -125,7 +139,7 @@ def _leave(clock: _Clock, part: str) -> Callable:
 
 def _arrived(clock: _Clock, part: str) -> Callable:
     def hook(grad: torch.Tensor) -> None:
-        clock.grad_at_output[part] = time.perf_counter()
+        clock.grad_at_output[part] = clock.now()
     return hook
 
 
@@ -134,15 +148,19 @@ def _static_bytes(model: Any, layers: list) -> dict[str, int]:
         total = 0
         for param in params:
             master = 0 if param.dtype == torch.float32 else 4
-            total += param.numel() * (param.element_size() + GRADIENT_BYTES_PER_PARAMETER
-                                      + ADAM_BYTES_PER_PARAMETER + master)
+            total += param.numel() * (2 * param.element_size() + ADAM_BYTES_PER_PARAMETER
+                                      + master)
         return total
 
     per_layer = {f"layer {i}": of(layer.parameters()) for i, layer in enumerate(layers)}
     in_layers = {id(p) for layer in layers for p in layer.parameters()}
     embedding = {id(p) for p in model.embedding.parameters()}
     rest = [p for p in model.parameters() if id(p) not in in_layers and id(p) not in embedding]
-    return {"embedding": of(model.embedding.parameters()), **per_layer, "output": of(rest)}
+    embedding_bytes = of(model.embedding.parameters())
+    output = of(rest)
+    if getattr(model, "share_embeddings_and_output_weights", False):
+        output += of([model.embedding.word_embeddings.weight])
+    return {"embedding": embedding_bytes, **per_layer, "output": output}
 
 
 def write_profile(profile: Profile, path: Path) -> None:

@@ -42,6 +42,11 @@ class TemplateRun:
     profile: Any = None
     """A measured :class:`~mover_plugin.templates.Profile`, or None for the synthetic one."""
 
+    @property
+    def tied(self) -> bool:
+        """Whether the output layer shares the word embedding's weight (the example's default)."""
+        return "--untie-embeddings-and-output-weights" not in self.argv
+
 
 def _example(path: Path) -> Any:
     spec = importlib.util.spec_from_file_location("pretrain_gpt_example", path)
@@ -79,7 +84,7 @@ def _job_state(run: TemplateRun, model: Any, optimizer: Any) -> Any:
     from mover_plugin.megatron.template_training import StageState
 
     first = parallel_state.get_pipeline_model_parallel_rank() * run.num_layers // 2
-    return StageState.of_model(model.module, optimizer, first)
+    return StageState.of_model(model.module, optimizer, first, tied=run.tied)
 
 
 def _timed(step: Any, iteration: int, times: list[float]) -> float:
@@ -115,7 +120,7 @@ def train_shrink_and_grow(rank: int, world_size: int, run: TemplateRun, full: in
                                                    it)[0], it, times) for it in range(full)]
     templates = plan_templates(run.profile or transformer_profile(run.num_layers),
                                pipeline_size=2)
-    job = Placement.uniform(JOB_PIPELINES, run.num_layers, run.slots)
+    job = Placement.uniform(JOB_PIPELINES, run.num_layers, run.slots, tied=run.tied)
     result: dict[str, Any] = {"losses": losses, "times": times}
     switched = time.perf_counter()
     held = _job_state(run, model, optimizer)
@@ -125,7 +130,7 @@ def train_shrink_and_grow(rank: int, world_size: int, run: TemplateRun, full: in
     del model, optimizer, scheduler
     # Every rank plans alike (in a job, the controller's plan record would say it).
     placement = Placement.of_plan(instantiate(templates, 3, run.slots, 0), [0, 1, 2],
-                                  run.num_layers, previous=job)
+                                  run.num_layers, tied=run.tied, previous=job)
     if rank == 3:  # lost: it keeps nothing
         held, job = None, placement
         losses += [math.nan] * shrunk
@@ -144,7 +149,7 @@ def train_shrink_and_grow(rank: int, world_size: int, run: TemplateRun, full: in
     switched = time.perf_counter()
     _world(store, "grown", rank, 4)
     placement = Placement.of_plan(instantiate(templates, 4, run.slots, 1), [0, 1, 2, 3],
-                                  run.num_layers, previous=job)
+                                  run.num_layers, tied=run.tied, previous=job, fresh=[3])
     carried = [schedule]
     dist.broadcast_object_list(carried, src=0)
     trainer, result["grown_received"] = _switch(placement, rank, recipe, job, held,
@@ -191,7 +196,7 @@ def measure_example_profile(rank: int, world_size: int, run: TemplateRun,
     example.apply_cpu_patches_if_needed()
     recipe = example.stage_recipe(args, example.build_dataset(args))
     whole = Placement.of_pipelines([([(0, run.num_layers)], run.slots)], [rank],
-                                   run.num_layers)
+                                   run.num_layers, tied=run.tied)
     groups = PlacementGroups(whole, rank)
     ensure_megatron_globals()
     model = recipe.build_model(num_layers=run.num_layers, pre_process=True, post_process=True,
@@ -201,6 +206,8 @@ def measure_example_profile(rank: int, world_size: int, run: TemplateRun,
     counts = {"embedding": sum(p.numel() for p in model.embedding.parameters()),
               **{f"layer {i}": sum(p.numel() for p in layer.parameters())
                  for i, layer in enumerate(model.decoder.layers)},
-              "output": sum(p.numel() for p in model.decoder.final_layernorm.parameters())}
+              "output": sum(p.numel() for p in model.decoder.final_layernorm.parameters())
+              + (model.embedding.word_embeddings.weight if run.tied
+                 else model.output_layer.weight).numel()}
     groups.destroy()
     return {"profile": profile, "parameters": counts}

@@ -4,8 +4,8 @@ lengths side by side, and moving layers between ranks when the placement changes
 A rank of a :class:`~mover_plugin.placement.Placement` builds the model of its stage alone
 (its transformer layers, with the embeddings on a first stage and the final norm and output
 layer on a last one) with explicit process groups (Megatron-Core's ``pg_collection``): its
-pipeline's group for the point-to-point traffic of the 1F1B schedule and for the gradient
-norm, the pipeline's two ends for the tied word embedding, itself alone for everything
+pipeline's group for the point-to-point traffic of the 1F1B schedule, the pipeline's two ends
+for the tied word embedding, all ranks for the gradient norm, itself alone for everything
 data-parallel. Megatron-Core's own schedule, ``DistributedDataParallel`` (over one rank) and
 optimizer train it. The data-parallel reduction is this module's: after the schedule's own
 finalisation, every gradient is scaled by the rank's share of the global batch
@@ -14,7 +14,11 @@ own micro-batch count) and summed over the gradient group of the ranks holding t
 parameters, so every holder applies the update of the full job: the mean over all the global
 batch's micro-batches (up to the order of float additions). A pipeline's last stage holds a
 copy of the tied word embedding whose gradient the schedule has already summed with the first
-stage's; it adds nothing to the sum.
+stage's; it adds nothing to the sum. Every holder ends with the same summed gradient, and the
+gradient norm for clipping is one for the whole job: computed over all ranks, each parameter
+counted only by the first rank that holds it (the others' copies are marked ``shared``, which
+is how Megatron-Core leaves a parameter out of the norm). So every copy of a layer takes the
+same update, and the copies stay equal.
 
 :func:`relayout` moves parameters and optimizer state (Adam's moments and step) unit by unit
 (:func:`~mover_plugin.placement.transfers`) from the ranks that hold them to those that need
@@ -22,8 +26,11 @@ them, from a model of any placement (or the job's own Megatron-Core model, as a
 :class:`StageState`) to the new stage's.
 
 Limits: tensor-parallel size 1 (a stage is one rank); no dropout in a test that compares with
-the full job (which rank runs a micro-batch changes its dropout masks); Megatron-Core's plain
-(not distributed) optimizer.
+the full job (which rank runs a micro-batch changes its dropout masks). Written and tested for
+CPU and gloo with fp32 parameters and Megatron-Core's plain (not distributed) optimizer over
+torch's Adam, whose ``step`` is a per-parameter tensor: the transfers and the loss all-reduce
+use CPU tensors (NCCL needs them on the GPU), with bf16 parameters the optimizer holds fp32
+copies that :func:`adam_state` does not look for, and fused Adam keeps its step per group.
 """
 
 from __future__ import annotations
@@ -69,6 +76,7 @@ class PlacementGroups:
 
     def __init__(self, placement: Placement, rank: int) -> None:
         self.rank = rank
+        self.ranks = placement.ranks
         self._groups: dict[tuple[int, ...], Any] = {}
         for ranks in placement.rank_sets():
             group = dist.new_group(list(ranks))
@@ -84,12 +92,13 @@ class PlacementGroups:
 
         alone = self[(self.rank,)]
         pipeline = self[role.pipeline_ranks]
+        placement_ranks = self.ranks
         ends = embedding_ends(role.pipeline_ranks)
         return ProcessGroupCollection(
             tp=alone, cp=alone, tp_cp=alone, ep=alone, expt_tp=alone, tp_ep=alone,
             dp=alone, dp_cp=alone, tp_dp_cp=alone, expt_dp=alone, intra_dp_cp=alone,
             intra_expt_dp=alone, intra_dist_opt=alone, inter_dist_opt=alone,
-            pp=pipeline, mp=pipeline, tp_ep_pp=pipeline,
+            pp=pipeline, mp=self[placement_ranks], tp_ep_pp=pipeline,
             embd=self[ends] if self.rank in ends else None,
             pos_embd=alone if role.pre_process else None,
         )
@@ -254,10 +263,9 @@ class StageTrainer:
                                     pg_collection=self.pg_collection)
         self.config = module.config
         if placement.tied and self.role.post_process and not self.role.pre_process:
-            # As Megatron-Core marks the last stage's copy in a pipeline of its own layout:
-            # counted once in the gradient norm, summed with the first stage's gradient.
-            module.output_layer.weight.shared = True
+            # As Megatron-Core marks the last stage's copy in a pipeline of its own layout.
             module.output_layer.weight.shared_embedding = True
+        self._count_each_parameter_once(module)
         self.module = module
         self.model = DistributedDataParallel(config=self.config,
                                              ddp_config=DistributedDataParallelConfig(),
@@ -272,6 +280,13 @@ class StageTrainer:
         self.state = StageState.of_model(module, self.optimizer, self.role.layers[0],
                                          tied=placement.tied)
         self._reductions = self._gradient_reductions()
+
+    def _count_each_parameter_once(self, module: torch.nn.Module) -> None:
+        """Leaves out of the job-wide gradient norm every copy but the first holder's."""
+        holders = self.placement.holders()
+        names = StageState.of_model(module, None, self.role.layers[0], tied=self.placement.tied)
+        for name, param in names.parameters.items():
+            param.shared = holders[unit_of(name, self.placement.tied)][0] != self.rank
 
     def _gradient_reductions(self) -> list[tuple[Any, list[tuple[str, torch.nn.Parameter]]]]:
         mine = []
