@@ -92,13 +92,12 @@ class PlacementGroups:
 
         alone = self[(self.rank,)]
         pipeline = self[role.pipeline_ranks]
-        placement_ranks = self.ranks
         ends = embedding_ends(role.pipeline_ranks)
         return ProcessGroupCollection(
             tp=alone, cp=alone, tp_cp=alone, ep=alone, expt_tp=alone, tp_ep=alone,
             dp=alone, dp_cp=alone, tp_dp_cp=alone, expt_dp=alone, intra_dp_cp=alone,
             intra_expt_dp=alone, intra_dist_opt=alone, inter_dist_opt=alone,
-            pp=pipeline, mp=self[placement_ranks], tp_ep_pp=pipeline,
+            pp=pipeline, mp=self[self.ranks], tp_ep_pp=pipeline,
             embd=self[ends] if self.rank in ends else None,
             pos_embd=alone if role.pre_process else None,
         )
@@ -113,8 +112,9 @@ class PlacementGroups:
 
 
 def canonical_name(name: str, first_layer: int) -> str:
-    """A stage's parameter name as the full model's: global layer numbers, and the tied output
-    weight under the word embedding's name."""
+    """A stage's parameter name as the full model's: its transformer layers by their global
+    numbers (:meth:`StageState.of_model` also names a tied output weight as the word
+    embedding)."""
     prefix = "decoder.layers."
     if name.startswith(prefix):
         local, rest = name[len(prefix):].split(".", 1)
