@@ -41,6 +41,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from mover_plugin.placement import Placement, StageRole, Transfer, embedding_ends, layer_unit
 
@@ -226,16 +227,14 @@ def _copy_kept(old: StageState, new: StageState, incoming: set[str]) -> None:
 
 
 def _flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([t.detach().reshape(-1).float() for t in tensors])
+    """One buffer of ``tensors`` (all fp32, see the module's limits), as the hand-over's."""
+    return _flatten_dense_tensors([t.detach() for t in tensors])
 
 
 def _unflatten(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
-    offset = 0
     with torch.no_grad():
-        for tensor in tensors:
-            count = tensor.numel()
-            tensor.copy_(flat[offset:offset + count].view_as(tensor))
-            offset += count
+        for tensor, value in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
+            tensor.copy_(value)
 
 
 # -- the stage ----------------------------------------------------------------------------------
@@ -280,6 +279,11 @@ class StageTrainer:
         self.state = StageState.of_model(module, self.optimizer, self.role.layers[0],
                                          tied=placement.tied)
         self._reductions = self._gradient_reductions()
+        self._p2p = None
+        if len(self.role.pipeline_ranks) > 1:
+            from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+            self._p2p = P2PCommunicator(pp_group=self.pg_collection.pp, config=self.config)
 
     def _count_each_parameter_once(self, module: torch.nn.Module) -> None:
         """Leaves out of the job-wide gradient norm every copy but the first holder's."""
@@ -288,12 +292,16 @@ class StageTrainer:
         for name, param in names.parameters.items():
             param.shared = holders[unit_of(name, self.placement.tied)][0] != self.rank
 
-    def _gradient_reductions(self) -> list[tuple[Any, list[tuple[str, torch.nn.Parameter]]]]:
+    def _gradient_reductions(self) -> list[tuple[Any, list[tuple[torch.nn.Parameter, float]]]]:
+        """(gradient group, [(parameter, the scale of its gradient)]) for each of this rank's
+        gradient groups, in the placement's order."""
+        weight = self.placement.weight(self.rank)
         mine = []
         for ranks, units in self.placement.gradient_groups():
             if self.rank in ranks:
-                params = [item for unit in units for item in self.state.unit_parameters(unit)]
-                mine.append((self.groups[ranks], params))
+                scaled = [(param, 0.0 if self._adds_nothing(name) else weight)
+                          for unit in units for name, param in self.state.unit_parameters(unit)]
+                mine.append((self.groups[ranks], scaled))
         return mine
 
     def _adds_nothing(self, name: str) -> bool:
@@ -306,11 +314,10 @@ class StageTrainer:
         from megatron.core.distributed import finalize_model_grads
 
         finalize_model_grads(model_chunks, num_tokens, pg_collection=self.pg_collection)
-        weight = self.placement.weight(self.rank)
-        for group, params in self._reductions:
+        for group, scaled in self._reductions:
             grads = []
-            for name, param in params:
-                param.main_grad.mul_(0.0 if self._adds_nothing(name) else weight)
+            for param, scale in scaled:
+                param.main_grad.mul_(scale)
                 grads.append(param.main_grad)
             flat = _flat(grads)
             dist.all_reduce(flat, group=group)
@@ -319,7 +326,6 @@ class StageTrainer:
     def train_step(self, iteration: int) -> tuple[float, float]:
         """One optimizer step on global batch ``iteration``: (mean loss over the global batch,
         gradient norm); every rank of the world calls it."""
-        from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
         from megatron.core.pipeline_parallel.schedules import (
             forward_backward_no_pipelining,
             forward_backward_pipelining_without_interleaving,
@@ -333,10 +339,9 @@ class StageTrainer:
                       model=[self.model], num_microbatches=role.num_microbatches,
                       seq_length=recipe.seq_length, micro_batch_size=recipe.micro_batch_size,
                       forward_only=False, pg_collection=self.pg_collection)
-        if len(role.pipeline_ranks) > 1:
-            p2p = P2PCommunicator(pp_group=self.pg_collection.pp, config=self.config)
-            losses = forward_backward_pipelining_without_interleaving(p2p_communicator=p2p,
-                                                                      **common)
+        if self._p2p is not None:
+            losses = forward_backward_pipelining_without_interleaving(
+                p2p_communicator=self._p2p, **common)
         else:
             losses = forward_backward_no_pipelining(**common)
         _, grad_norm, _ = self.optimizer.step()
