@@ -49,7 +49,12 @@ def main() -> None:
                                                                      args))
     iteration = first_iteration(args, resilience, model, optimizer, scheduler)
     train(args, model, optimizer, scheduler, dataset, iteration, resilience)
-    report_params_digest(args, model)
+    if resilience is not None and resilience.on_templates:
+        # The job ended on pipeline templates: the parameters went to --save, by unit.
+        if is_logging_rank():
+            print("PARAMS_DIGEST none: the job ended on pipeline templates", flush=True)
+    else:
+        report_params_digest(args, model)
     shutdown(resilience)
 
 
@@ -97,7 +102,11 @@ def start_resilience(args: argparse.Namespace, dataset):
         shadow_step=lambda model, optimizer, scheduler: train_step(
             args, model, optimizer, scheduler, dataset, 0),
     )
-    return MegatronResilience.start(args, warm)
+    resilience = MegatronResilience.start(args, warm)
+    if resilience is not None:
+        # Without a ready standby, a lost rank's survivors go on alone on pipeline templates.
+        resilience.enable_templates(stage_recipe(args, dataset))
+    return resilience
 
 
 def parallel_kwargs(args: argparse.Namespace) -> dict:

@@ -1,8 +1,8 @@
 """The per-host agent: starts the workers of one host, watches them, obeys the controller.
 
 The agent reads the controller's commands (``start``, ``stop``, ``promote``, ``generation``,
-``notice``, ``cancel_promotion``, ``discard_leaver``, ``refill``, ``fence``, ``rejoin``,
-``finish``, ``abort``) from the store and posts what it sees (``joined``, ``started``, ``ready``,
+``notice``, ``cancel_promotion``, ``discard_leaver``, ``drop``, ``refill``, ``fence``,
+``rejoin``, ``finish``, ``abort``) from the store and posts what it sees (``joined``, ``started``, ``ready``,
 ``first_step``, ``worker_exit``, ``leaver_exit``, ``injected``, ``migration_due``, ``hung``,
 ``standby_ready``, ``standby_exit``, ``stopped``, ``node_done``, ``node_busy``; ``steps``: global
 rank 0's step ends, batched by :mod:`mover_plugin.launch.step_times`) as events. It notices a
@@ -288,6 +288,8 @@ class Agent:
             self._cancel_promotion(command["standby"], command["rank"])
         elif op == "discard_leaver":
             self._discard_leaver(command["rank"])
+        elif op == "drop":
+            self._drop(command["ranks"])
         elif op == "refill":
             self._refill(command)
         elif op == "rejoin" and command["node"] == self.config.node.node_rank:
@@ -427,6 +429,16 @@ class Agent:
         for worker in leavers:
             self._close_pipe(worker)
             self._workers.remove(worker)
+
+    def _drop(self, ranks: list[int]) -> None:
+        """The job shrank without the lost ``ranks``: their exited processes are forgotten
+        (the host is done once its other workers finish)."""
+        for worker in [w for w in self._workers if w.rank in ranks and w.exited]:
+            self._close_pipe(worker)
+            self._workers.remove(worker)
+        if not self._idle_reported and all(w.rank is None for w in self._workers):
+            self._idle_reported = True  # no rank left here
+            self._post("node_done", steps_completed=None, workers=[])
 
     def _worker_env(
         self, rank: Optional[int], local_rank: Optional[int], attempt: int, progress_fd: int,

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from mover_plugin.contract import (
     CURRENT_GENERATION_KEY,
     LAYOUT_KEY,
+    TEMPLATES_KEY,
     NOTICE_KINDS,
     plan_key,
     promotion_key,
@@ -43,6 +44,7 @@ from mover_plugin.launch.eventlog import EventLog
 from mover_plugin.launch.store_gate import StoreGate, attempt_target, host_loopback_store
 from mover_plugin.launch.summary import Interruption, RunSummary
 from mover_plugin.layout import ParallelLayout
+from mover_plugin.shrink import TemplateSpec
 from mover_plugin.mailbox import Mailbox
 
 logger = logging.getLogger(__name__)
@@ -106,6 +108,9 @@ class AttemptState:
     refills_started: int = 0
     rejoin_standbys: int = 0
     """Standbys started for hosts that came back, in this attempt."""
+    shrunk: Optional[dict[str, Any]] = None
+    """The plan of the generation the survivors shrank to, when no standby was ready for a
+    lost rank: the attempt trains on pipeline templates from then on."""
 
     def shrink_standby_slots(self, node: int) -> None:
         """One standby slot of ``node`` leaves the target (it holds a worker, or stays empty)."""
@@ -210,6 +215,13 @@ class Context:
             return None
         raw = json.loads(self.store.get(LAYOUT_KEY))
         return ParallelLayout(tp=raw["tp"], pp=raw["pp"], dp=raw["dp"])
+
+    def template_spec(self) -> Optional[TemplateSpec]:
+        """What rank 0 published about training on pipeline templates; None when the job
+        cannot (or its workers have not trained yet)."""
+        if not self.store.check([TEMPLATES_KEY]):
+            return None
+        return TemplateSpec.of_record(json.loads(self.store.get(TEMPLATES_KEY)))
 
     def interrupted(self) -> bool:
         """Whether an interruption is in progress or a restart under way."""

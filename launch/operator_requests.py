@@ -141,6 +141,10 @@ class OperatorRequests(Unit):
                            "again")
         if self._ctx.layout() is None:
             raise Rejected("the job has not started training yet; retry in a moment")
+        if self._ctx.attempt.shrunk is not None:
+            raise Rejected("the job trains on pipeline templates after losing a rank with no "
+                           "standby ready; ranks cannot be moved until it runs its own layout "
+                           "again")
 
     def _on_migration_due(self, event: Event) -> Optional[int]:
         """An injected migration (``--inject-migration``) reached its step; it waits for an

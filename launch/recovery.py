@@ -14,8 +14,11 @@ With the ``resilient`` policy, when a worker dies (or is found hung, and killed)
 plans generation ``g + 1`` (:func:`mover_plugin.generations.plan_recovery`): a ready standby
 takes the lost global rank and copies a data-parallel twin. It publishes the plan
 (``gen{g+1}/plan``), sends generation ``g`` an alarm notice (relayed by the agents: survivors
-leave the failed step), and promotes the standby. Without a standby or a twin it falls back to
-the restart policy, and the event log says why.
+leave the failed step), and promotes the standby. Without a ready standby, a job that can train
+on pipeline templates (its rank 0 published a :class:`~mover_plugin.shrink.TemplateSpec`)
+*shrinks*: the survivors go on alone in generation ``g + 1``, on the planner's pipelines for
+them (:func:`mover_plugin.shrink.plan_shrink`), and the agents forget the lost ranks. Otherwise,
+or without a twin, it falls back to the restart policy, and the event log says why.
 
 A unit that coordinates a change of the job (a planned migration) has the first say over a
 failure while its change is under way: it registers as a :class:`Coordinator`.
@@ -32,6 +35,7 @@ from mover_plugin.launch.attempts import Attempts
 from mover_plugin.launch.context import Context, Event, EventHandler, Unit
 from mover_plugin.launch.summary import Interruption
 from mover_plugin.launch.timing import InterruptionTiming, note_last_step
+from mover_plugin.shrink import ShrinkPlan, plan_shrink
 
 logger = logging.getLogger(__name__)
 
@@ -115,12 +119,46 @@ class CrashRecovery(Unit):
             plan = plan_recovery(lost, self._ctx.layout(), self._ctx.attempt.pool,
                                  self._ctx.job.node_of_rank,
                                  carried=[item for item in unfinished if item.rank not in lost])
+            if self._ctx.attempt.shrunk is not None:
+                plan = Fallback("a rank was lost while the job trains on pipeline templates "
+                                "(a second shrink, and growing back, are not supported yet)")
             if not isinstance(plan, Fallback):
                 self._switch_generation(plan, interruption, lost, rebuild_all=bool(unfinished))
                 return None
+            spec = self._ctx.template_spec()
+            if spec is not None and not unfinished and self._ctx.attempt.shrunk is None:
+                shrink = plan_shrink(lost, self._ctx.layout(), spec)
+                if isinstance(shrink, ShrinkPlan):
+                    self._shrink(shrink, interruption, lost, why=plan.reason)
+                    return None
+                logger.warning("cannot shrink onto pipeline templates: %s", shrink.reason)
+                plan = Fallback(f"{plan.reason}; {shrink.reason}")
             self._ctx.record("fallback", "fallback", rank=rank, reason=plan.reason)
             logger.warning("falling back to a restart: %s", plan.reason)
         return self._restart(interruption)
+
+    def _shrink(self, plan: ShrinkPlan, interruption: Interruption, lost: list[int], *,
+                why: str) -> None:
+        """Starts the survivors' generation on pipeline templates (``why``: no standby)."""
+        ctx = self._ctx
+        record = plan.to_record(lost)
+        ctx.attempt.shrunk = record
+        ctx.job.membership = ctx.job.membership.without(lost)
+        old = ctx.plan_generation(record)
+        ctx.notify(old, "alarm", reason=f"rank {interruption.rank} lost")
+        ctx.post({"op": "drop", "ranks": lost})
+        ctx.post({"op": "generation", "generation": ctx.job.generation})
+        now = time.time()
+        interruption.recovery = "shrink"
+        interruption.plan = record["describe"]
+        interruption.generation = ctx.job.generation
+        interruption.mark("alarm", now)
+        self._timing.note_left(interruption)
+        ctx.record("shrink", "switch", when=now, lost=lost, survivors=record["survivors"],
+                   plan=record["describe"], moved=len(plan.moves), reason=why)
+        logger.warning("generation %d: ranks %s go on without rank(s) %s on pipeline templates "
+                       "%s (%s)", ctx.job.generation, record["survivors"], lost,
+                       record["describe"], why)
 
     def _lost_ranks(self, event: Event, leaver: bool) -> Optional[list[int]]:
         """The ranks to recover, or None when a coordinator handled the failure."""

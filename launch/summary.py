@@ -55,7 +55,12 @@ class Interruption:
     injected: bool
     attempt: int
     recovery: str = "restart"
-    """``standby`` (a standby took the rank's place in-process) or ``restart``."""
+    """``standby`` (a standby took the rank's place in-process), ``shrink`` (no standby was
+    ready: the survivors went on alone, on pipeline templates) or ``restart``."""
+    plan: Optional[str] = None
+    """For a ``shrink``: the survivors' pipelines, e.g. ``[0 2] layers 0-2|3 x 2 + [1]
+    layers 0-3 x 2`` (each pipeline's ranks in the new world, layers per stage, and
+    micro-batches of the global batch)."""
     generation: int = 0
     ranks: list[int] = field(default_factory=list)
     """Every rank the interruption took (``[rank]`` unless a host loss or a migration took
@@ -95,6 +100,7 @@ class Interruption:
             "attempt": self.attempt,
             "generation": self.generation,
             "recovery": self.recovery,
+            "plan": self.plan,
             "rolled_back_to": self.rolled_back_to,
             "times": {p: self.times[p] for p in PHASES if p in self.times},
             "phases_s": {

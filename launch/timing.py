@@ -89,12 +89,14 @@ class InterruptionTiming(Unit):
 
     def note_left(self, item: Interruption) -> None:
         """Copies the survivors' leave times of the interrupted generation into ``item``."""
-        if item.recovery != "standby" or "failed" not in item.times:
+        if item.recovery not in ("standby", "shrink") or "failed" not in item.times:
             return  # not a crash (a migration's ranks can also leave a step)
         failed = item.times["failed"]
         item.left_s = {rank: when - failed
                        for rank, when in self._left.get(item.generation - 1, {}).items()}
-        if len(item.left_s) == self._ctx.config.world_size - len(item.ranks):
+        survivors = len(self._ctx.job.membership.members) - (
+            len(item.ranks) if item.recovery == "standby" else 0)
+        if len(item.left_s) == survivors:
             item.mark("left", failed + max(item.left_s.values()))
 
     def on_steps(self, steps: list[list[float]]) -> None:
@@ -188,7 +190,7 @@ class InterruptionTiming(Unit):
         if not self._note_report(ctx.generation.first_step, event):
             return None
         item = ctx.job.interruption
-        if len(ctx.generation.first_step) == ctx.config.world_size and item is not None:
+        if len(ctx.generation.first_step) == len(ctx.job.membership.members) and item is not None:
             ctx.job.interruption = None
             item.mark("first_step_completed", max(ctx.generation.first_step.values()))
             ctx.record("resumed", "resume", when=item.times["first_step_completed"],
@@ -209,5 +211,5 @@ class InterruptionTiming(Unit):
     def _mark_when_all(self, reports: dict[int, float], phase: str) -> None:
         """Marks ``phase`` of the interruption in progress once every rank reported it."""
         item = self._ctx.job.interruption
-        if len(reports) == self._ctx.config.world_size and item is not None:
+        if len(reports) == len(self._ctx.job.membership.members) and item is not None:
             item.mark(phase, max(reports.values()))

@@ -29,6 +29,8 @@ agents and workers post to the controller, each kind with the fields it carries.
 * ``attempt{a}/standbys_ready`` — set once every standby of attempt ``a`` is ready (a resilient
   job's workers wait for it, bounded, before their first step);
 * ``job/layout`` — the parallel layout (JSON ``tp``, ``pp``, ``dp``) published by rank 0;
+* ``job/templates`` — published by rank 0 when the job can train on pipeline templates: what
+  the planner needs of its model and batch (JSON, :class:`mover_plugin.shrink.TemplateSpec`);
 * the mailboxes (:mod:`mover_plugin.mailbox`): ``commands`` (controller to agents; they include
   the notices to a generation's processes, which the agents relay to their workers), ``events``
   (agents and workers to the controller) and ``requests`` (operator requests: ``mover status``,
@@ -71,6 +73,7 @@ PREFLIGHT_ERROR = "MOVER_PREFLIGHT_ERROR"
 
 CURRENT_GENERATION_KEY = "gen/current"
 LAYOUT_KEY = "job/layout"
+TEMPLATES_KEY = "job/templates"
 SWITCH_GO = "go"
 SWITCH_CANCEL = "cancel"
 

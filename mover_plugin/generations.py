@@ -108,6 +108,11 @@ class Membership:
             members[item.rank] = item.standby
         return Membership(self.generation + 1, members)
 
+    def without(self, ranks: Sequence[int]) -> "Membership":
+        """The next generation, in which ``ranks`` are held by nobody (the job shrank)."""
+        return Membership(self.generation + 1, {rank: process for rank, process
+                                                in self.members.items() if rank not in ranks})
+
 
 def plan_recovery(
     failed: Sequence[int],

@@ -27,7 +27,7 @@ the same summed gradient.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from mover_plugin.errors import ConfigError
 from mover_plugin.templates import Instantiation, Template
@@ -143,6 +143,33 @@ class Placement:
         ranks = [rank for members in pipeline_ranks for rank in members]
         return cls.of_pipelines([(stages, count)] * len(pipeline_ranks), ranks, num_layers,
                                 tied=tied)
+
+    @classmethod
+    def of_record(cls, record: Mapping[str, Any]) -> "Placement":
+        """The placement a :meth:`to_record` (JSON) describes."""
+        pipelines = [([tuple(stage) for stage in item["stages"]], item["microbatches"])
+                     for item in record["pipelines"]]
+        ranks = [rank for item in record["pipelines"] for rank in item["ranks"]]
+        return cls.of_pipelines(pipelines, ranks, record["num_layers"], tied=record["tied"])
+
+    def to_record(self) -> dict[str, Any]:
+        """This placement as JSON-able data (a generation's plan carries it)."""
+        pipelines = []
+        for members in self.pipelines():
+            roles = [self.role(rank) for rank in members]
+            pipelines.append({"ranks": list(members),
+                              "stages": [list(role.layers) for role in roles],
+                              "microbatches": roles[0].num_microbatches})
+        pipelines.sort(key=lambda item: self.role(item["ranks"][0]).microbatches)
+        return {"num_layers": self.num_layers, "tied": self.tied, "pipelines": pipelines}
+
+    def renumbered(self, new_rank: Mapping[int, int]) -> "Placement":
+        """The same placement with each rank ``r`` called ``new_rank[r]`` (an order-keeping
+        renumbering: a smaller world's ranks)."""
+        record = self.to_record()
+        for item in record["pipelines"]:
+            item["ranks"] = [new_rank[rank] for rank in item["ranks"]]
+        return Placement.of_record(record)
 
     # -- queries ----------------------------------------------------------------------------
 

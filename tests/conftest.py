@@ -3,6 +3,7 @@
 import pytest
 
 from gpt_jobs import pretrain
+from template_runs import RUN, STEPS
 
 
 @pytest.fixture(scope="session")
@@ -28,3 +29,14 @@ def reference_pp2_40():
     result = pretrain("--pipeline-model-parallel-size", "2", "--train-iters", "40")
     assert result.returncode == 0, result.output[-4000:]
     return result
+
+
+@pytest.fixture(scope="session")
+def template_reference():
+    """The pipeline-template tests' model (template_runs.RUN) trained in-process without
+    interruption for STEPS steps: every rank's losses and final parameters by name."""
+    from mover_plugin.megatron.template_run import train_without_interruption
+    from mover_plugin.testing import run_ranks
+
+    return run_ranks(train_without_interruption, 4, RUN, STEPS, timeout_s=240,
+                     group_timeout_s=60)

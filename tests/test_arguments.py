@@ -65,3 +65,21 @@ def test_resilient_implies_no_plain_gloo_groups():
     resilient = parse_args(["--resilient"], world_size=1,
                            extra_args_provider=add_resilience_args)
     assert resilient.enable_gloo_process_groups is False
+
+
+def test_a_fault_tolerance_the_hosts_cannot_hold_is_refused():
+    from mover_plugin.runtime.settings import add_resilience_args
+
+    def parse(*flags, world_size=4):
+        return parse_args(["--resilient", "--pipeline-model-parallel-size", "2",
+                           "--global-batch-size", "8", "--micro-batch-size", "2", *flags],
+                          world_size=world_size, extra_args_provider=add_resilience_args)
+
+    assert parse().resilience.fault_tolerance == 1
+    assert parse("--resilient-fault-tolerance", "3").resilience.fault_tolerance == 3
+    with pytest.raises(ConfigError, match=r"--resilient-fault-tolerance 4 is too large: it "
+                       r"needs 5 pipelines, but the job has 4 hosts .* give at most 3"):
+        parse("--resilient-fault-tolerance", "4")
+    with pytest.raises(ConfigError, match="must be a whole number of at least 0"):
+        parse("--resilient-fault-tolerance", "-1")
+    assert parse(world_size=2).resilience.fault_tolerance == 1  # PP2 x DP1: two hosts

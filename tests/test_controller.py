@@ -27,6 +27,7 @@ from mover_plugin.contract import (
     EVENTS_MAILBOX,
     LAYOUT_KEY,
     REQUESTS_MAILBOX,
+    TEMPLATES_KEY,
     plan_key,
     promotion_key,
     request_done_key,
@@ -370,6 +371,72 @@ def test_a_crash_without_a_standby_falls_back_to_a_restart(tmp_path):
     # the last step before came from the stopped report of rank 0 (T0 + 4.5, 1.5 s long)
     assert item["downtime_s"] == pytest.approx(20.03 - 4.5 - 1.5)
     assert len(job.log("worker_ready")) == 4
+
+
+def shrinkable(job: "Job") -> None:
+    """The job trains TP1 x PP2 x DP2 and its rank 0 said it can shrink onto templates."""
+    job.provision()
+    job.store.set(LAYOUT_KEY, json.dumps({"tp": 1, "pp": 2, "dp": 2}))
+    job.store.set(TEMPLATES_KEY, json.dumps({"num_layers": 4, "tied": True,
+                                             "microbatches": 4, "fault_tolerance": 1}))
+    job.commands()
+
+
+def test_a_crash_without_a_standby_shrinks_onto_pipeline_templates(tmp_path):
+    job = Job(tmp_path, standbys=0)
+    shrinkable(job)
+    job.exit(1, when=T0 + 5.5)
+    assert job.poll() is None
+    plan = job.json(plan_key(1))
+    assert plan["kind"] == "shrink" and plan["world_size"] == 3
+    assert plan["survivors"] == [0, 2, 3] and plan["lost"] == [1]
+    assert plan["describe"] == "[0 1] layers 0-2|3 x 2 + [2] layers 0-3 x 2"
+    # rank 3 of the job (2 of the survivors) was the last stage: it takes the first stage's
+    # layers from rank 0; rank 0 takes layer 2 from rank 2 of the job (1 of the survivors)
+    assert plan["moves"] == [["position", 0, 2], ["layer 0", 0, 2], ["layer 1", 0, 2],
+                             ["layer 2", 1, 0]]
+    assert job.key(successor_key(0)) == "1"
+    commands = job.commands()
+    assert {"op": "drop", "ranks": [1]} in commands
+    assert [c for c in commands if c["op"] == "notice"][0]["kind"] == "alarm"
+    assert not [c for c in commands if c["op"] in ("promote", "stop")]
+    assert job.log("fallback") == []
+    (shrink,) = job.log("shrink")
+    assert shrink["survivors"] == [0, 2, 3] and shrink["moved"] == 4
+    # the three survivors leave, switch and train: the interruption ends without rank 1
+    job.generation = 1
+    for rank in (0, 2, 3):
+        job.worker("left_step", rank=rank, cause="alarm", generation=0, time=T0 + 6.0)
+        job.worker("switched", rank=rank, role="survivor", time=T0 + 7.0)
+        job.agent(rank // 2, "first_step", rank=rank, step=6, time=T0 + 8.0)
+    job.poll()
+    (item,) = job.controller.summary.to_dict()["interruptions"]
+    assert item["recovery"] == "shrink" and item["plan"] == plan["describe"]
+    assert list(item["phases_s"]) == ["failed", "detected", "alarm", "left", "switched",
+                                      "first_step_completed"]
+    assert job.controller.summary.restarts == 0
+    # no rank can be moved while the job runs on templates
+    reply = job.request("migrate", "m1", ranks=[0])
+    assert reply["ok"] is False and "pipeline templates" in reply["error"]
+    # a second loss while shrunk restarts the job
+    job.exit(0, when=T0 + 9.0)
+    job.poll()
+    (fallback,) = job.log("fallback")
+    assert "while the job trains on pipeline templates" in fallback["reason"]
+    assert {"op": "stop", "attempt": 0} in job.commands()
+
+
+def test_a_loss_no_template_plan_covers_falls_back_with_both_reasons(tmp_path):
+    job = Job(tmp_path, standbys=0)
+    shrinkable(job)
+    job.store.set(LAYOUT_KEY, json.dumps({"tp": 2, "pp": 2, "dp": 1}))
+    job.exit(3)
+    job.poll()
+    assert job.log("shrink") == []
+    (fallback,) = job.log("fallback")
+    assert fallback["reason"] == ("1 rank(s) lost but 0 standby(s) ready; pipeline templates "
+                                  "need tensor-parallel size 1, not 2")
+    assert job.commands() == [{"op": "stop", "attempt": 0}]
 
 
 def test_a_rank_ending_with_an_error_of_its_own_is_restarted_not_replaced(job):

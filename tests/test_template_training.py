@@ -19,44 +19,31 @@ for four hosts. Compared with the same 7 steps without interruption:
 Both with the example's tied word embedding and output layer, and untied.
 """
 
-import dataclasses
-import math
-from pathlib import Path
-
 import numpy
 import pytest
 
 from mover_plugin.testing import run_ranks
 from mover_plugin.megatron.template_run import (
-    TemplateRun,
     measure_example_profile,
     train_shrink_and_grow,
     train_without_interruption,
 )
+from template_runs import RUN, STEPS, UNTIED, step_losses, worst_relative
 
 pytest.importorskip("megatron.core")
 
-RUN = TemplateRun(
-    example=Path(__file__).resolve().parents[1] / "examples" / "pretrain_gpt.py",
-    argv=("--pipeline-model-parallel-size", "2", "--num-layers", "4", "--hidden-size", "32",
-          "--num-attention-heads", "4", "--seq-length", "32", "--max-position-embeddings", "32",
-          "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "1e-3",
-          "--seed", "1234", "--hidden-dropout", "0", "--attention-dropout", "0"),
-    num_layers=4,
-    slots=4,
-)
 FULL, SHRUNK, GROWN = 2, 3, 2
+assert FULL + SHRUNK + GROWN == STEPS
 PARAM_TOLERANCE = 1e-5
 
 
-UNTIED = dataclasses.replace(RUN, argv=(*RUN.argv, "--untie-embeddings-and-output-weights"))
-
-
 @pytest.fixture(scope="module", params=[RUN, UNTIED], ids=["tied", "untied"])
-def runs(request):
-    steps = FULL + SHRUNK + GROWN
-    reference = run_ranks(train_without_interruption, 4, request.param, steps, timeout_s=240,
-                          group_timeout_s=60)
+def runs(request, template_reference):
+    if request.param is RUN:
+        reference = template_reference  # shared with the job test of a shrink
+    else:
+        reference = run_ranks(train_without_interruption, 4, request.param, STEPS,
+                              timeout_s=240, group_timeout_s=60)
     elastic = run_ranks(train_shrink_and_grow, 4, request.param, FULL, SHRUNK, GROWN,
                         timeout_s=300, group_timeout_s=60)
     return reference, elastic
@@ -120,17 +107,3 @@ def test_a_profile_measured_on_the_example_model_plans_its_templates():
     assert set(templates) == {1, 2}
     stages = transformer_stages(templates[2], 4)
     assert stages[0][0] == 0 and stages[-1][1] == 4 and len(stages) == 2
-
-
-def worst_relative(values: list[float], expected: list[float]) -> float:
-    return max(abs(x - y) / abs(y) for x, y in zip(values, expected))
-
-
-def step_losses(results: list[dict]) -> list[float]:
-    """Each step's loss: the one rank that reported it (the job's last stage) or all alike."""
-    losses = []
-    for step in range(len(results[0]["losses"])):
-        values = [r["losses"][step] for r in results if not math.isnan(r["losses"][step])]
-        assert values and max(values) == min(values), (step, values)
-        losses.append(values[0])
-    return losses

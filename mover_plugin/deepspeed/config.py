@@ -35,6 +35,8 @@ _LAUNCH_KEYS = ("standbys", "peer_copy")
 _NOT_FOR_DEEPSPEED = {
     "standby_shadow_iterations": "a DeepSpeed standby does not warm up in a sandbox (it "
                                  "imports what deepspeed.initialize needs and waits)",
+    "fault_tolerance": "a DeepSpeed job does not shrink onto pipeline templates (without a "
+                       "ready standby it falls back to a restart)",
 }
 
 

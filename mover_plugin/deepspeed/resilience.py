@@ -267,6 +267,11 @@ class DeepSpeedResilience:
         target, rollback, _ = self._agree(contribute=False)
         return self._roll_back(rollback) if rollback is not None else Continuation(target)
 
+    def continue_on_templates(self, plan: dict[str, Any],
+                              snapshot: dict[str, Any]) -> Continuation:
+        # A DeepSpeed job publishes no template spec, so the controller never shrinks it.
+        raise LaunchError("a DeepSpeed job cannot train on pipeline templates")
+
     def _roll_back(self, why: str) -> Continuation:
         self._held_version = -1
         return self.runtime.roll_back(why, self._load)

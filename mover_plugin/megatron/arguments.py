@@ -239,9 +239,24 @@ def _check_resilience(args: argparse.Namespace) -> None:
     if not hasattr(args, "resilient"):
         return
     args.resilience = ResilienceSettings.from_args(args)
+    _check_fault_tolerance(args)
     if args.resilient:
         # Plain gloo groups cannot be left when a peer dies, nor replaced in place.
         args.enable_gloo_process_groups = False
+
+
+def _check_fault_tolerance(args: argparse.Namespace) -> None:
+    """``--resilient-fault-tolerance F`` asks for F + 1 pipelines when the job shrinks onto
+    pipeline templates: at least one host (rank) each, and a micro-batch each."""
+    tolerance = args.resilience.fault_tolerance
+    hosts = args.world_size // args.tensor_model_parallel_size
+    microbatches = args.global_batch_size // args.micro_batch_size
+    if hosts > 1 and tolerance + 1 > min(hosts, microbatches):
+        raise ConfigError(
+            f"--resilient-fault-tolerance {tolerance} is too large: it needs {tolerance + 1} "
+            f"pipelines, but the job has {hosts} hosts of tensor-parallel size "
+            f"{args.tensor_model_parallel_size} and {microbatches} micro-batches per global "
+            f"batch; give at most {min(hosts, microbatches) - 1}")
 
 
 def _positive(args: argparse.Namespace, *names: str) -> None:

@@ -56,6 +56,7 @@ import argparse
 import logging
 import time
 import types
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
@@ -70,6 +71,7 @@ from mover_plugin.megatron.distributed_optimizer import (
     shard_tensors,
     uses_distributed_optimizer,
 )
+from mover_plugin.megatron.shrunk_training import ShrunkTraining, job_first_layer, template_spec
 from mover_plugin.megatron.standby import (
     StandbyWarmUp,
     TrainingObjects,
@@ -77,6 +79,7 @@ from mover_plugin.megatron.standby import (
     parallel_layout,
     warm_up,
 )
+from mover_plugin.megatron.template_training import StageRecipe, StageState
 from mover_plugin.progress import ProgressReporter
 from mover_plugin.runtime.adapter import Continuation, Transfer
 from mover_plugin.runtime.handover import module_state_tensors
@@ -116,6 +119,10 @@ class MegatronResilience:
         self._peer_copy: Optional[PeerCopy] = None
         self._load: Callable[[], Optional[int]] = lambda: None
         """Loads the last checkpoint into the model and optimizer (for a rollback)."""
+        self._recipe: Optional[StageRecipe] = None
+        """How the script builds and trains a stage of a pipeline template, when it can."""
+        self._shrunk: Optional[ShrunkTraining] = None
+        """The training of this survivor once the job shrank onto pipeline templates."""
         self.copy_between_steps = False
         """Whether the peer copy's exchange may run on after a step returns, until
         :meth:`before_step` (for a loop that calls it before each step reports its begin, and
@@ -204,6 +211,30 @@ class MegatronResilience:
 
         optimizer.step_with_ready_grads = gated_update
         self._apply_update = update
+        self._publish_template_spec()
+
+    def _publish_template_spec(self) -> None:
+        """The first rank of a job that started with it tells the controller whether (and
+        how) the job can shrink onto pipeline templates."""
+        runtime = self.runtime
+        if self._recipe is None or runtime.rank != 0 or runtime.joiner_of is not None:
+            return
+        spec = template_spec(self.args, runtime.settings, self._sharded)
+        if spec is not None:
+            runtime.control.publish_templates(spec.to_record())
+
+    def enable_templates(self, recipe: StageRecipe) -> None:
+        """Lets the job shrink onto pipeline templates when a rank is lost and no standby is
+        ready (:mod:`mover_plugin.megatron.shrunk_training`): ``recipe`` builds and trains a
+        stage with the script's own model, optimizer, schedule and data. Call it before
+        :meth:`attach`."""
+        self._recipe = recipe
+
+    @property
+    def on_templates(self) -> bool:
+        """Whether the job shrank and this rank trains on pipeline templates (the script's
+        model and optimizer rest)."""
+        return self._shrunk is not None
 
     def first_iteration(self, load: Callable[[], int]) -> int:
         """The iteration to start from: a joiner's comes from its twin, others ``load()``
@@ -228,6 +259,9 @@ class MegatronResilience:
                                       critical_s=copy.critical_s, exchanges=copy.exchanges,
                                       time=time.time())
             copy.close()
+        if self._shrunk is not None and self.args.save:
+            path = self._shrunk.save_final(Path(self.args.save), self.runtime.ledger.applied)
+            logger.warning("rank %d wrote its final parameters to %s", self.runtime.rank, path)
         self.runtime.finish()
 
     # -- after a crash (FrameworkAdapter) -------------------------------------------------
@@ -240,6 +274,29 @@ class MegatronResilience:
         self._settle_iteration(target, snapshot)
         return Continuation(target, {item["rank"]: item["twin"]
                                      for item in plan["replacements"]})
+
+    def continue_on_templates(self, plan: dict[str, Any],
+                              snapshot: dict[str, Any]) -> Continuation:
+        assert self._recipe is not None, "a shrink plan for a job that published no spec"
+        target = self._agree_on_iteration(contribute=True)
+        self._settle_iteration(target, snapshot)
+        held = StageState.of_model(self._model.module, self._optimizer,
+                                   job_first_layer(self.args, self.runtime.rank),
+                                   tied=not self.args.untie_embeddings_and_output_weights)
+        self._shrunk = ShrunkTraining(plan, dist.get_rank(), self._recipe, held,
+                                      self._scheduler.state_dict())
+        self.runtime.train_with(self._step_on_templates)
+        return Continuation(target)
+
+    def _step_on_templates(self, iteration: int) -> tuple[float, float]:
+        """An iteration after the shrink; the script's optimizer shows the schedule's
+        learning rate, as the script logs it from there."""
+        assert self._shrunk is not None
+        result = self._shrunk.step(iteration)
+        self.runtime.ledger.count_running_iteration()
+        for group in self._optimizer.param_groups:
+            group["lr"] = self._shrunk.learning_rate
+        return result
 
     def continue_as_joiner(self) -> Continuation:
         if self._sharded:

@@ -17,6 +17,8 @@ alarms, commits, switches and state transfer; a framework adapter
   :meth:`~FrameworkAdapter.continue_as_joiner` at a joiner: the ranks agree on the iteration
   they continue from (or roll back), the survivor settles its interrupted step, and the
   answer names which live rank sends each joiner its state; the runtime then does the sending;
+  after a shrink (no standby), :meth:`~FrameworkAdapter.continue_on_templates` at every
+  survivor;
 - **state** — :meth:`~FrameworkAdapter.state_tensors` (sent and received in place) and
   :meth:`~FrameworkAdapter.state_blob` / :meth:`~FrameworkAdapter.load_state` (everything
   else), for each kind of :class:`Transfer`.
@@ -93,6 +95,14 @@ class FrameworkAdapter(Protocol):
 
     def continue_as_joiner(self) -> Continuation:
         """A joiner's part of the same agreement (it contributes no record of its own)."""
+
+    def continue_on_templates(self, plan: dict[str, Any],
+                              snapshot: dict[str, Any]) -> Continuation:
+        """A survivor's part of a shrink, once the survivors' world exists: agrees with the
+        others on the iteration, moves its training onto the ``plan``'s pipeline templates
+        (:mod:`mover_plugin.shrink`) and hands the runtime its step
+        (:meth:`~mover_plugin.runtime.resilience.ResilienceRuntime.train_with`). Called only
+        in a job whose first rank published a :class:`~mover_plugin.shrink.TemplateSpec`."""
 
     def state_tensors(self, transfer: Transfer) -> list[torch.Tensor]:
         """The tensors sent (or received into, in place) for ``transfer``."""

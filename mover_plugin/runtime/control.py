@@ -26,6 +26,7 @@ from mover_plugin.contract import (
     EVENTS_MAILBOX,
     GENERATION_ENV,
     LAYOUT_KEY,
+    TEMPLATES_KEY,
     STANDBY_ID_ENV,
     SWITCH_GO,
     generation_prefix,
@@ -79,6 +80,11 @@ class ControlClient:
     def publish_layout(self, layout: ParallelLayout) -> None:
         self.store.set(LAYOUT_KEY, json.dumps({"tp": layout.tp, "pp": layout.pp,
                                                "dp": layout.dp}))
+
+    def publish_templates(self, spec: dict[str, Any]) -> None:
+        """Tells the controller the job can shrink onto pipeline templates, and what the
+        planner needs (:class:`mover_plugin.shrink.TemplateSpec`)."""
+        self.store.set(TEMPLATES_KEY, json.dumps(spec))
 
     def post(self, kind: str, **fields: Any) -> None:
         """Posts an event to the controller (a few per interruption, never per step)."""

@@ -71,6 +71,7 @@ from mover_plugin.runtime.migration import MigrationParticipant
 from mover_plugin.runtime.notices import NoticeWatcher
 from mover_plugin.runtime.rewire import rewire, rewire_module_globals
 from mover_plugin.runtime.settings import ResilienceSettings
+from mover_plugin.shrink import SHRINK
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +108,9 @@ class ResilienceRuntime:
         loop that runs collectives of its own between two steps, such as Megatron-LM's
         logging, which the leaver, not the joiner, must take part in)."""
         self._last_step_s = 0.0
+        self._own_step: Optional[Callable[[int], Any]] = None
+        """The adapter's step that replaces the script's once the job shrank onto pipeline
+        templates (:meth:`train_with`)."""
 
     @classmethod
     def connect(cls, settings: ResilienceSettings,
@@ -326,7 +330,7 @@ class ResilienceRuntime:
         while True:
             self.ledger.begin(iteration)
             try:
-                result = step(iteration)
+                result = (self._own_step or step)(iteration)
                 self.adapter.after_step(iteration)
                 self.ledger.end()
                 self._last_step_s = time.time() - started
@@ -340,6 +344,11 @@ class ResilienceRuntime:
             if continuation.rolled_back or continuation.iteration != iteration:
                 self.ledger.end()
                 return None, continuation.iteration
+
+    def train_with(self, step: Callable[[int], Any]) -> None:
+        """From now on every iteration runs ``step`` instead of the script's (the adapter's,
+        after the job shrank onto pipeline templates)."""
+        self._own_step = step
 
     def recover_between_steps(self, error: BaseException) -> int:
         """For a peer lost while this rank ran the training loop's own collectives between
@@ -426,9 +435,12 @@ class ResilienceRuntime:
             self.progress.generation = self.generation
             try:
                 with cancel_when(self._superseded):
-                    if self._replacement_in(plan) is not None:
+                    if plan.get("kind") == SHRINK:
+                        continuation, replaced = self._shrink_in(plan, snapshot), 0
+                    elif self._replacement_in(plan) is not None:
                         return self._rejoin(plan, started)
-                    continuation, replaced = self._survive_in(plan, snapshot)
+                    else:
+                        continuation, replaced = self._survive_in(plan, snapshot)
                 break
             except Exception as error:  # noqa: BLE001 - filtered just below
                 self._switch_again_or_raise("switching", error)
@@ -447,6 +459,23 @@ class ResilienceRuntime:
             if sender == self.rank:
                 self._send_state(lost, continuation.iteration)
         return continuation, replaced
+
+    def _shrink_in(self, plan: dict[str, Any], snapshot: dict[str, Any]) -> Continuation:
+        """A survivor's part of a shrink (no standby was ready for the lost ranks): every group
+        of the old world is shut down (never waiting on the lost peer), the survivors make a
+        world of their own, numbered in the order of their job ranks (this process keeps its
+        job rank towards the controller), and the adapter moves the training onto the plan's
+        pipeline templates."""
+        self.adapter.teardown()
+        dist.destroy_process_group()
+        clear_alarm()
+        raise_if_cancelled()
+        self.world_size = plan["world_size"]
+        dist.init_process_group(BACKEND_NAME, store=self.control.generation_store(self.generation),
+                                rank=plan["survivors"].index(self.rank),
+                                world_size=self.world_size, timeout=self.timeout(),
+                                pg_options=WorldOptions(connect=True))
+        return self.adapter.continue_on_templates(plan, snapshot)
 
     def _rejoin(self, plan: dict[str, Any], started: float) -> Continuation:
         """A promoted standby that was still a joiner when the controller planned ``plan``

@@ -28,6 +28,11 @@ class ResilienceSettings:
     standby_shadow_iterations: int = 2
     """Training iterations a standby runs in the sandbox per pipeline role while it warms up
     (0: it only imports and waits)."""
+    fault_tolerance: int = 1
+    """When no standby is ready and the job shrinks onto pipeline templates, the plan keeps at
+    least this many pipelines more than one (each a full replica of the model), so that
+    losing this many more ranks leaves a live replica of every layer, when the ranks left
+    allow it."""
 
     def validate(self, name: Optional[Callable[[str], str]] = None) -> "ResilienceSettings":
         """Checks every value; errors name each setting with ``name`` (by default its

@@ -1,0 +1,125 @@
+"""A Megatron-Core job that goes on without a lost rank, on pipeline templates.
+
+When a rank is lost and no standby is ready, a job whose script handed its stage recipe to
+:meth:`MegatronResilience.enable_templates
+<mover_plugin.megatron.resilience.MegatronResilience.enable_templates>` shrinks: the controller
+plans the survivors' pipelines (:mod:`mover_plugin.shrink`), and each survivor, in the world
+of the survivors, builds the stage the plan gives it with the script's own builder
+(:class:`~mover_plugin.megatron.template_training.StageTrainer`), copies into it the layers it
+held and receives from a live holder those it did not, with their Adam state
+(:func:`~mover_plugin.megatron.template_training.relayout`), and takes over the learning-rate
+schedule where the job's was. The script's own model and optimizer rest from then on; the
+iterations run :meth:`ShrunkTraining.step`, which returns what the script's step returns (the
+mean loss over the global batch, the gradient norm).
+
+:func:`template_spec` says whether a job can do this (what its first rank publishes), and
+:meth:`ShrunkTraining.save_final` writes the parameters a job ends with (each unit once, by
+its canonical name).
+
+Limits, besides those of :mod:`~mover_plugin.megatron.template_training` (tensor-parallel size 1,
+CPU and gloo, fp32, the plain optimizer): the script's checkpoints are not written while shrunk
+(the final parameters are, by :meth:`ShrunkTraining.save_final`); a rank lost while shrunk makes
+the job restart from its last checkpoint; the job does not grow back while it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from mover_plugin.layout import ParallelLayout
+from mover_plugin.megatron.checkpoint import capture_rng_state, restore_rng_state
+from mover_plugin.megatron.template_training import (
+    PlacementGroups,
+    StageRecipe,
+    StageState,
+    StageTrainer,
+    relayout,
+    unit_of,
+)
+from mover_plugin.placement import Placement, Transfer
+from mover_plugin.runtime.settings import ResilienceSettings
+from mover_plugin.shrink import TemplateSpec
+
+logger = logging.getLogger(__name__)
+
+FINAL_FOLDER = "templates_final"
+"""Under ``--save``: the final parameters of a job that ended on pipeline templates."""
+
+
+def template_spec(args: argparse.Namespace, settings: ResilienceSettings,
+                  sharded: bool) -> Optional[TemplateSpec]:
+    """What the planner needs of this job, or None (with the reason logged) when it cannot
+    train on pipeline templates."""
+    reasons = []
+    if args.tensor_model_parallel_size != 1:
+        reasons.append(f"tensor-parallel size {args.tensor_model_parallel_size}")
+    if sharded:
+        reasons.append("the distributed optimizer")
+    if torch.cuda.is_available():
+        reasons.append("a GPU (the layer transfers are written for CPU tensors)")
+    if getattr(args, "fp16", False) or getattr(args, "bf16", False):
+        reasons.append("fp16/bf16 parameters")
+    if reasons:
+        logger.info("no pipeline templates for this job (%s): a rank lost with no standby "
+                    "ready restarts the job", ", ".join(reasons))
+        return None
+    return TemplateSpec(num_layers=args.num_layers,
+                        tied=not args.untie_embeddings_and_output_weights,
+                        microbatches=args.global_batch_size // args.micro_batch_size,
+                        fault_tolerance=settings.fault_tolerance)
+
+
+def job_first_layer(args: argparse.Namespace, job_rank: int) -> int:
+    """The first transformer layer of ``job_rank``'s stage in the job's own layout."""
+    layout = ParallelLayout.for_world(args.world_size, args.tensor_model_parallel_size,
+                                      args.pipeline_model_parallel_size)
+    return layout.coordinates(job_rank).pp * (args.num_layers // layout.pp)
+
+
+class ShrunkTraining:
+    """One survivor's training on the plan of a shrink (built in the survivors' world)."""
+
+    def __init__(self, plan: dict[str, Any], rank: int, recipe: StageRecipe,
+                 held: StageState, schedule: dict[str, Any]) -> None:
+        """``rank``: this process's rank in the survivors' world; ``held``: the state of the
+        stage it trained in the job; ``schedule``: the job's scheduler state."""
+        self.placement = Placement.of_record(plan["placement"])
+        self.rank = rank
+        rng = capture_rng_state()  # building draws initial weights; the iteration must not
+        self.trainer = StageTrainer(self.placement, rank, recipe,
+                                    PlacementGroups(self.placement, rank))
+        restore_rng_state(rng)
+        moves = [Transfer(unit, source, destination)
+                 for unit, source, destination in plan["moves"]]
+        self.received_bytes = relayout(moves, rank, held, self.trainer.state)
+        self.trainer.take_scheduler_state(schedule)
+        logger.warning("rank %d of the survivors trains layers %d-%d of pipeline %s on %s",
+                       rank, self.trainer.role.layers[0], self.trainer.role.layers[1] - 1,
+                       list(self.trainer.role.pipeline_ranks), plan["describe"])
+
+    def step(self, iteration: int) -> tuple[float, float]:
+        """One iteration: (the mean loss over the global batch, the gradient norm)."""
+        return self.trainer.train_step(iteration)
+
+    @property
+    def learning_rate(self) -> float:
+        return self.trainer.optimizer.param_groups[0]["lr"]
+
+    def save_final(self, folder: Path, iteration: int) -> Path:
+        """Writes the parameters of the units this rank is the first holder of, by canonical
+        name (``FOLDER/templates_final/iter_NNNNNNN/rank_RRR.pt``); returns the file."""
+        holders = self.placement.holders()
+        mine = {name: param.detach().clone() for name, param
+                in self.trainer.state.parameters.items()
+                if holders[unit_of(name, self.placement.tied)][0] == self.rank}
+        path = folder / FINAL_FOLDER / f"iter_{iteration:07d}" / f"rank_{self.rank:03d}.pt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".tmp")
+        torch.save({"iteration": iteration, "parameters": mine}, partial)
+        partial.replace(path)
+        return path

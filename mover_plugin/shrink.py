@@ -1,0 +1,146 @@
+"""The shrink decision: when a rank is lost and no standby is ready, the survivors' next
+generation on pipeline templates (pure, no torch).
+
+A job that can train on pipeline templates says so at its start: its first rank publishes a
+:class:`TemplateSpec` (the model's transformer layer count, whether the output layer shares
+the word embedding, the global batch in micro-batches, and a per-layer profile when one was
+measured). When the controller cannot give a lost rank a standby, :func:`plan_shrink` plans
+the survivors' generation from it:
+
+- the survivors form a world of their own, numbered in the order of their job ranks (their
+  ranks in the job stay their names towards the controller);
+- the planner's instantiation for that many hosts (one rank each: tensor-parallel size 1),
+  with at least ``f + 1`` pipelines when it has one and as many as it can otherwise
+  (:func:`~mover_plugin.templates.instantiate`);
+- placed so that each pipeline goes on the survivors that already hold most of its layers
+  (:meth:`~mover_plugin.placement.Placement.of_plan`), starting from the job's own placement
+  (Megatron-Core's equal pipelines, :meth:`~mover_plugin.placement.Placement.uniform`);
+- and every layer a survivor newly holds, with its optimizer state, sent by a live holder
+  (:func:`~mover_plugin.placement.transfers`) — never read from a checkpoint.
+
+A loss the templates cannot cover (fewer survivors than the smallest template; a layer every
+holder of which was lost) is a :class:`~mover_plugin.generations.Fallback` with its reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Sequence, Union
+
+from mover_plugin.generations import Fallback
+from mover_plugin.layout import ParallelLayout
+from mover_plugin.placement import Placement, PlacementError, transfers
+from mover_plugin.templates import (
+    LayerCost,
+    PlanningError,
+    Profile,
+    instantiate,
+    plan_templates,
+    transformer_profile,
+)
+
+SHRINK = "shrink"
+"""The ``kind`` of a shrink generation's plan record."""
+
+
+@dataclass(frozen=True)
+class TemplateSpec:
+    """What the planner needs to know about a job's model and batch."""
+
+    num_layers: int
+    tied: bool
+    microbatches: int
+    """The global batch in micro-batches."""
+    fault_tolerance: int = 1
+    """``--resilient-fault-tolerance``: the plan keeps at least this many pipelines more than
+    one when the ranks left allow it."""
+    profile: Optional[dict[str, Any]] = None
+    """A measured per-layer profile (:func:`profile_record`); None: the synthetic GPT-like
+    one (:func:`~mover_plugin.templates.transformer_profile`)."""
+
+    @classmethod
+    def of_record(cls, record: Mapping[str, Any]) -> "TemplateSpec":
+        return cls(int(record["num_layers"]), bool(record["tied"]),
+                   int(record["microbatches"]), int(record.get("fault_tolerance", 1)),
+                   record.get("profile"))
+
+    def to_record(self) -> dict[str, Any]:
+        return {"num_layers": self.num_layers, "tied": self.tied,
+                "microbatches": self.microbatches, "fault_tolerance": self.fault_tolerance,
+                "profile": self.profile}
+
+    def planner_profile(self) -> Profile:
+        if self.profile is None:
+            return transformer_profile(self.num_layers)
+        return Profile(tuple(LayerCost(**layer) for layer in self.profile["layers"]),
+                       int(self.profile["host_memory_bytes"]))
+
+
+def profile_record(profile: Profile) -> dict[str, Any]:
+    """``profile`` as JSON-able data (:attr:`TemplateSpec.profile`)."""
+    return {"host_memory_bytes": profile.host_memory_bytes,
+            "layers": [vars(layer) for layer in profile.layers]}
+
+
+@dataclass(frozen=True)
+class ShrinkPlan:
+    """The survivors' generation."""
+
+    survivors: tuple[int, ...]
+    """Their job ranks; the i-th is rank i of the new world."""
+    placement: Placement
+    """In the new world's ranks."""
+    moves: list[tuple[str, int, int]] = field(default_factory=list)
+    """(unit, source, destination) in the new world's ranks, in the order every rank sends
+    and receives them."""
+
+    def to_record(self, lost: Sequence[int]) -> dict[str, Any]:
+        """The generation's plan record (``kind`` :data:`SHRINK`)."""
+        return {"kind": SHRINK, "world_size": len(self.survivors), "lost": sorted(lost),
+                "survivors": list(self.survivors), "placement": self.placement.to_record(),
+                "moves": [list(move) for move in self.moves],
+                "describe": self.placement.describe()}
+
+
+def job_placement(layout: ParallelLayout, spec: TemplateSpec) -> Placement:
+    """The job's own placement: Megatron-Core's equal pipelines, in job ranks."""
+    pipelines = sorted({tuple(layout.pipeline_group(rank)) for rank in range(layout.world_size)})
+    return Placement.uniform(pipelines, spec.num_layers, spec.microbatches, tied=spec.tied)
+
+
+def plan_shrink(lost: Sequence[int], layout: Optional[ParallelLayout],
+                spec: Optional[TemplateSpec]) -> Union[ShrinkPlan, Fallback]:
+    """The survivors' generation after losing ``lost`` (job ranks), or why there is none."""
+    if spec is None:
+        return Fallback("the job does not train on pipeline templates (the script gave no "
+                        "stage recipe, or its configuration has none)")
+    if layout is None:
+        return Fallback("the parallel layout is unknown (the workers did not publish it)")
+    if layout.tp != 1:
+        return Fallback(f"pipeline templates need tensor-parallel size 1, not {layout.tp}")
+    survivors = tuple(rank for rank in range(layout.world_size) if rank not in set(lost))
+    try:
+        templates = plan_templates(spec.planner_profile(), layout.pp)
+        plan = _instantiation(templates, len(survivors), spec.microbatches,
+                              spec.fault_tolerance)
+        job = job_placement(layout, spec)
+        placement = Placement.of_plan(plan, survivors, spec.num_layers, tied=spec.tied,
+                                      previous=job)
+        listed = transfers(job, placement, live=survivors)
+    except (PlanningError, PlacementError) as error:
+        return Fallback(f"no pipeline-template plan for the {len(survivors)} rank(s) left: "
+                        f"{error}")
+    new_rank = {rank: index for index, rank in enumerate(survivors)}
+    return ShrinkPlan(survivors, placement.renumbered(new_rank),
+                      [(t.unit, new_rank[t.source], new_rank[t.destination]) for t in listed])
+
+
+def _instantiation(templates: Any, hosts: int, microbatches: int, fault_tolerance: int) -> Any:
+    """With ``fault_tolerance + 1`` pipelines when there is such a plan, else as many as the
+    hosts allow (a job that lost hosts keeps training with less protection)."""
+    for tolerance in range(fault_tolerance, 0, -1):
+        try:
+            return instantiate(templates, hosts, microbatches, tolerance)
+        except PlanningError:
+            continue
+    return instantiate(templates, hosts, microbatches, 0)
