@@ -9,8 +9,10 @@ and the state of the job, of the current attempt and of the current generation):
 * :mod:`~mover_plugin.launch.attempts` — starting the workers (an *attempt*), the standby pool,
   the end of the job;
 * :mod:`~mover_plugin.launch.timing` — the phases of each interruption;
-* :mod:`~mover_plugin.launch.recovery` — crash recovery: a standby in a new generation, or a
-  restart;
+* :mod:`~mover_plugin.launch.recovery` — crash recovery: a standby in a new generation, the
+  survivors on pipeline templates (a shrink), or a restart;
+* :mod:`~mover_plugin.launch.grow_back` — a shrunk job back on its own layout once standbys
+  are ready;
 * :mod:`~mover_plugin.launch.migration` — planned migrations, phase by phase;
 * :mod:`~mover_plugin.launch.host_loss` — a host lost with its agent, found by the watch of
   the agents' heartbeats (:mod:`~mover_plugin.launch.liveness`) or, for an agent this process
@@ -48,6 +50,7 @@ from mover_plugin.launch.attempts import Attempts
 from mover_plugin.launch.config import LaunchConfig
 from mover_plugin.launch.context import Context, EventHandler, Unit
 from mover_plugin.launch.eventlog import EventLog
+from mover_plugin.launch.grow_back import GrowBack
 from mover_plugin.launch.host_loss import HostLoss
 from mover_plugin.launch.liveness import AgentWatch
 from mover_plugin.launch.migration import Migrations
@@ -118,6 +121,7 @@ class Controller:
         self._operator = OperatorRequests(self._ctx, self._migrations)
         self._step_timeline = StepTimeline(self._ctx)
         self._refill = StandbyRefill(self._ctx)
+        self._grow_back = GrowBack(self._ctx)
         self._host_loss = HostLoss(self._ctx, self._recovery, self._attempts,
                                    self._step_timeline, self._agents)
         self._wire()
@@ -125,7 +129,7 @@ class Controller:
 
     def _units(self) -> list[Unit]:
         return [self._attempts, self._timing, self._recovery, self._migrations, self._operator,
-                self._step_timeline, self._refill, self._host_loss]
+                self._step_timeline, self._refill, self._host_loss, self._grow_back]
 
     def _wire(self) -> None:
         # A failure during a migration is the migration's to judge first.
@@ -138,6 +142,9 @@ class Controller:
         self._recovery.when_slots_freed(self._refill.freed)
         self._timing.when_resumed(self._refill.on_resumed)
         self._attempts.when_standby_ready(self._refill.standby_ready)
+        # A shrunk job grows back once a standby is ready for every lost rank.
+        self._attempts.when_standby_ready(self._grow_back.standby_ready)
+        self._timing.when_resumed(self._grow_back.on_resumed)
         self._attempts.when_standby_lost(self._refill.standby_lost)
         self._attempts.when_ready_standby_exits(self._refill.replace_exited)
         # A host loss takes its last step before the failure from rank 0's step ends.

@@ -1,8 +1,8 @@
 """The controller's event log: one JSON object per line, appended as things happen.
 
 Each line has ``time`` (wall clock), ``generation``, ``rank`` (or null), ``event`` and
-``phase`` (``detect``, ``switch``, ``migrate``, ``resume``, ``fallback``, ``restart``,
-``pool``, ``job``),
+``phase`` (``detect``, ``switch``, ``migrate``, ``grow``, ``resume``, ``fallback``,
+``restart``, ``pool``, ``job``),
 plus event-specific fields. The log is flushed at every line, so it can be followed while the
 job runs (``tail -f``) and survives a killed launcher.
 """

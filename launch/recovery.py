@@ -154,6 +154,8 @@ class CrashRecovery(Unit):
         interruption.generation = ctx.job.generation
         interruption.mark("alarm", now)
         self._timing.note_left(interruption)
+        for listener in self._slots_freed:  # the lost ranks' slots: refills grow it back
+            listener([ctx.job.node_of_rank[rank] for rank in lost])
         ctx.record("shrink", "switch", when=now, lost=lost, survivors=record["survivors"],
                    plan=record["describe"], moved=len(plan.moves), reason=why)
         logger.warning("generation %d: ranks %s go on without rank(s) %s on pipeline templates "

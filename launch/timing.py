@@ -152,6 +152,13 @@ class InterruptionTiming(Unit):
         extra = {key: event[key] for key in ("adopted", "rebuilt", "kept") if key in event}
         ctx.record("switched", "switch", generation=event["generation"], rank=event["rank"],
                    when=event["time"], role=event.get("role"), **extra)
+        item = ctx.job.interruption
+        if item is not None and isinstance(event.get("boundary_end"), (int, float)):
+            # A switch at an iteration boundary (growing back): the last step before it is the
+            # one that ended there.
+            note_last_step(item, [{"last_step_end": event["boundary_end"],
+                                   "last_step_duration": event.get("boundary_step_s")}])
+            item.step = max(item.step, int(event.get("boundary_step", 0)))
         self._mark_when_all(ctx.generation.switched, "switched")
         return None
 

@@ -18,6 +18,10 @@ the survivors' generation from it:
 - and every layer a survivor newly holds, with its optimizer state, sent by a live holder
   (:func:`~mover_plugin.placement.transfers`) — never read from a checkpoint.
 
+When standbys are ready for every lost rank, :func:`plan_grow` plans the way back: the job's
+own layout on all its ranks again, the standbys in the lost ranks' places, every unit a rank of
+the job's layout lacks sent by a survivor that holds it on the templates.
+
 A loss the templates cannot cover (fewer survivors than the smallest template; a layer every
 holder of which was lost) is a :class:`~mover_plugin.generations.Fallback` with its reason.
 """
@@ -41,6 +45,8 @@ from mover_plugin.templates import (
 
 SHRINK = "shrink"
 """The ``kind`` of a shrink generation's plan record."""
+GROW = "grow"
+"""The ``kind`` of the plan record of a generation that grows back to the job's own layout."""
 
 
 @dataclass(frozen=True)
@@ -144,3 +150,14 @@ def _instantiation(templates: Any, hosts: int, microbatches: int, fault_toleranc
         except PlanningError:
             continue
     return instantiate(templates, hosts, microbatches, 0)
+
+
+def plan_grow(shrunk: Mapping[str, Any], layout: ParallelLayout,
+              spec: TemplateSpec) -> tuple[Placement, list[tuple[str, int, int]]]:
+    """The job's own placement again after the shrink whose plan record is ``shrunk``, and the
+    moves that bring every rank its units (job ranks; the lost ranks come back empty)."""
+    survivors = shrunk["survivors"]
+    job = job_placement(layout, spec)
+    templates = Placement.of_record(shrunk["placement"]).renumbered(dict(enumerate(survivors)))
+    listed = transfers(templates, job, live=survivors, fresh=shrunk["lost"])
+    return job, [(t.unit, t.source, t.destination) for t in listed]

@@ -426,6 +426,54 @@ def test_a_crash_without_a_standby_shrinks_onto_pipeline_templates(tmp_path):
     assert {"op": "stop", "attempt": 0} in job.commands()
 
 
+def test_a_shrunk_job_grows_back_once_a_standby_is_ready_for_the_lost_rank(tmp_path):
+    job = Job(tmp_path, standbys=0, refill_delay_s=0.0)
+    shrinkable(job)
+    job.exit(1, when=T0 + 5.5)
+    job.poll()
+    job.generation = 1
+    for rank in (0, 2, 3):
+        job.worker("switched", rank=rank, role="survivor", time=T0 + 7.0)
+        job.agent(rank // 2, "first_step", rank=rank, step=6, time=T0 + 8.0)
+    job.poll()  # the refill is due at once: the lost rank's slot on node 0 gets a standby
+    (refill,) = [c for c in job.commands() if c["op"] == "refill"]
+    assert refill["node"] == 0
+    job.agent(0, "standby_ready", standby=refill["standby"], time=T0 + 20.0)
+    assert job.poll() is None
+    plan = job.json(plan_key(2))
+    assert plan["kind"] == "grow" and plan["world_size"] == 4
+    assert plan["replacements"] == [{"rank": 1, "standby": refill["standby"], "twin": -1,
+                                     "node": 0}]
+    assert plan["describe"] == "[0 2] layers 0-1|2-3 x 2 + [1 3] layers 0-1|2-3 x 2"
+    # the lost rank's standby gets everything of its stage from rank 0; rank 2 held only
+    # layer 3 on the templates, and gets layer 2 from rank 0 too
+    assert plan["moves"] == [["embedding", 0, 1], ["position", 0, 1], ["layer 0", 0, 1],
+                             ["layer 1", 0, 1], ["layer 2", 0, 2]]
+    commands = job.commands()
+    assert {"op": "promote", "standby": refill["standby"], "rank": 1,
+            "migration": False} in commands
+    (switch,) = [c for c in commands if c["op"] == "notice"]
+    assert switch["kind"] == "switch" and switch["generation"] == 1
+    # the survivors switch at the end of step 40; the standby joins; all train
+    job.generation = 2
+    for rank in (0, 2, 3):
+        job.worker("switched", rank=rank, role="survivor", time=T0 + 25.0,
+                   boundary_end=T0 + 24.8, boundary_step_s=0.1, boundary_step=40)
+    job.worker("switched", rank=1, role="joiner", time=T0 + 25.1)
+    job.first_steps(when=T0 + 25.5)
+    job.poll()
+    _, grow = job.controller.summary.to_dict()["interruptions"]
+    assert grow["kind"] == grow["recovery"] == "grow" and grow["step"] == 40
+    assert list(grow["phases_s"]) == ["requested", "switched", "first_step_completed"]
+    assert grow["downtime_s"] == pytest.approx(25.53 - 24.8 - 0.1)
+    (grown,) = job.log("grown")
+    assert job.controller._ctx.attempt.shrunk is None
+    # a loss now is recovered by the job's own means again (here: no standby, a shrink)
+    job.exit(3, when=T0 + 30.0)
+    job.poll()
+    assert len(job.log("shrink")) == 2
+
+
 def test_a_loss_no_template_plan_covers_falls_back_with_both_reasons(tmp_path):
     job = Job(tmp_path, standbys=0)
     shrinkable(job)

@@ -113,6 +113,27 @@ def member_groups() -> dict[str, tuple[Any, GroupInfo]]:
     return groups
 
 
+def member_groups_in_order() -> list[tuple[Any, GroupInfo]]:
+    """:func:`member_groups` in the order of their creation, the default group first (every
+    process that built the same groups the same way lists them alike)."""
+    groups = member_groups()
+    ordered = sorted(groups.values(), key=lambda entry: (not entry[1].is_default,
+                                                         group_name_order(entry[1].name)))
+    return ordered
+
+
+def pair_rebuilt_groups(old: Sequence[tuple[Any, GroupInfo]],
+                        new: Sequence[tuple[Any, GroupInfo]]) -> dict[int, Any]:
+    """``{id(old group): new group}`` for groups built again from scratch, the same way, in a
+    new world (:func:`member_groups_in_order` then and now). Raises :class:`DeltaError` when
+    the two lists do not hold the same members in the same order."""
+    shapes = ([info.global_ranks for _, info in old], [info.global_ranks for _, info in new])
+    if shapes[0] != shapes[1]:
+        raise DeltaError(f"the groups built again differ from those before: {shapes[1]} "
+                         f"instead of {shapes[0]}")
+    return {id(before): after for (before, _), (after, _) in zip(old, new)}
+
+
 def rendezvous_store(generation_store: Store, name: str, default_name: str) -> Store:
     """The store c10d gives a group named ``name``'s backend when the default group (named
     ``default_name``) was initialized on ``generation_store``: ``"{default}/"`` for the

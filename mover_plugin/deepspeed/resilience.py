@@ -272,6 +272,15 @@ class DeepSpeedResilience:
         # A DeepSpeed job publishes no template spec, so the controller never shrinks it.
         raise LaunchError("a DeepSpeed job cannot train on pipeline templates")
 
+    def leave_templates(self) -> None:
+        raise LaunchError("a DeepSpeed job cannot train on pipeline templates")
+
+    def continue_after_growth(self, plan: dict[str, Any]) -> None:
+        raise LaunchError("a DeepSpeed job cannot train on pipeline templates")
+
+    def join_after_growth(self, plan: dict[str, Any]) -> Continuation:
+        raise LaunchError("a DeepSpeed job cannot train on pipeline templates")
+
     def _roll_back(self, why: str) -> Continuation:
         self._held_version = -1
         return self.runtime.roll_back(why, self._load)

@@ -71,7 +71,12 @@ from mover_plugin.megatron.distributed_optimizer import (
     shard_tensors,
     uses_distributed_optimizer,
 )
-from mover_plugin.megatron.shrunk_training import ShrunkTraining, job_first_layer, template_spec
+from mover_plugin.megatron.shrunk_training import (
+    ShrunkTraining,
+    job_first_layer,
+    move_back,
+    template_spec,
+)
 from mover_plugin.megatron.standby import (
     StandbyWarmUp,
     TrainingObjects,
@@ -280,10 +285,7 @@ class MegatronResilience:
         assert self._recipe is not None, "a shrink plan for a job that published no spec"
         target = self._agree_on_iteration(contribute=True)
         self._settle_iteration(target, snapshot)
-        held = StageState.of_model(self._model.module, self._optimizer,
-                                   job_first_layer(self.args, self.runtime.rank),
-                                   tied=not self.args.untie_embeddings_and_output_weights)
-        self._shrunk = ShrunkTraining(plan, dist.get_rank(), self._recipe, held,
+        self._shrunk = ShrunkTraining(plan, dist.get_rank(), self._recipe, self._job_state(),
                                       self._scheduler.state_dict())
         self.runtime.train_with(self._step_on_templates)
         return Continuation(target)
@@ -292,11 +294,43 @@ class MegatronResilience:
         """An iteration after the shrink; the script's optimizer shows the schedule's
         learning rate, as the script logs it from there."""
         assert self._shrunk is not None
-        result = self._shrunk.step(iteration)
+        result = self._shrunk.step(iteration, vote=self.runtime.switch_requested)
+        self.runtime.grow_agreed = self._shrunk.grow_agreed
         self.runtime.ledger.count_running_iteration()
         for group in self._optimizer.param_groups:
             group["lr"] = self._shrunk.learning_rate
         return result
+
+    def leave_templates(self) -> None:
+        assert self._shrunk is not None
+        self._shrunk.trainer.groups.destroy()
+        self.teardown()  # what the templates set in parallel_state (its memory buffer)
+
+    def continue_after_growth(self, plan: dict[str, Any]) -> None:
+        assert self._shrunk is not None
+        self._agree_on_iteration(contribute=True)
+        trainer = self._shrunk.trainer
+        self._load_schedule(move_back(plan, self.runtime.rank, trainer.state, self._job_state(),
+                                      trainer.scheduler.state_dict()))
+        self._shrunk = None
+
+    def join_after_growth(self, plan: dict[str, Any]) -> Continuation:
+        target = self._agree_on_iteration(contribute=False)
+        self._load_schedule(move_back(plan, self.runtime.rank, None, self._job_state(), None))
+        forget_agreed_flags(self._optimizer)
+        self.runtime.ledger.applied = target
+        return Continuation(target)
+
+    def _job_state(self) -> StageState:
+        """The script's model and optimizer, by canonical parameter names."""
+        return StageState.of_model(self._model.module, self._optimizer,
+                                   job_first_layer(self.args, self.runtime.rank),
+                                   tied=not self.args.untie_embeddings_and_output_weights)
+
+    def _load_schedule(self, state: dict[str, Any]) -> None:
+        # Megatron-Core's scheduler loads its state by stepping on from where it is.
+        self._scheduler.num_steps = 0
+        self._scheduler.load_state_dict(state)
 
     def continue_as_joiner(self) -> Continuation:
         if self._sharded:
@@ -461,10 +495,7 @@ class MegatronResilience:
     def load_state(self, state: dict[str, Any], transfer: Transfer) -> None:
         self._optimizer.load_state_dict(state["optimizer"])
         restore_step_counters(self._optimizer)
-        # Megatron-Core's scheduler loads its state by stepping on from where it is, and a
-        # warmed-up standby's has stepped in its shadow iterations.
-        self._scheduler.num_steps = 0
-        self._scheduler.load_state_dict(state["scheduler"])
+        self._load_schedule(state["scheduler"])  # a warmed-up standby's has stepped
         forget_agreed_flags(self._optimizer)
 
 

@@ -19,7 +19,16 @@ its canonical name).
 Limits, besides those of :mod:`~mover_plugin.megatron.template_training` (tensor-parallel size 1,
 CPU and gloo, fp32, the plain optimizer): the script's checkpoints are not written while shrunk
 (the final parameters are, by :meth:`ShrunkTraining.save_final`); a rank lost while shrunk makes
-the job restart from its last checkpoint; the job does not grow back while it runs.
+the job restart from its last checkpoint.
+
+**Growing back.** When standbys are ready for the lost ranks, the controller plans the job's
+own layout again (:func:`mover_plugin.shrink.plan_grow`) and asks the survivors to switch at an
+iteration boundary: the loss all-reduce of an iteration carries who saw the request, so all of
+them agree in the same one (:meth:`ShrunkTraining.step`). At its end each survivor builds the
+job's groups again, its script objects are pointed at them, and :func:`move_back` puts the
+layers it holds on the templates into the script's model and optimizer, receives those it
+lacks from a survivor, and gives each standby everything of its rank; the first survivor sends
+the learning-rate schedule. The script's own step trains from the next iteration on.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 
 from mover_plugin.layout import ParallelLayout
 from mover_plugin.megatron.checkpoint import capture_rng_state, restore_rng_state
@@ -102,9 +112,15 @@ class ShrunkTraining:
                        rank, self.trainer.role.layers[0], self.trainer.role.layers[1] - 1,
                        list(self.trainer.role.pipeline_ranks), plan["describe"])
 
-    def step(self, iteration: int) -> tuple[float, float]:
-        """One iteration: (the mean loss over the global batch, the gradient norm)."""
-        return self.trainer.train_step(iteration)
+    def step(self, iteration: int, vote: bool = False) -> tuple[float, float]:
+        """One iteration: (the mean loss over the global batch, the gradient norm). ``vote``:
+        this rank saw the request to grow back; :attr:`grow_agreed` then says whether any
+        rank did."""
+        return self.trainer.train_step(iteration, vote)
+
+    @property
+    def grow_agreed(self) -> bool:
+        return self.trainer.voted
 
     @property
     def learning_rate(self) -> float:
@@ -123,3 +139,18 @@ class ShrunkTraining:
         torch.save({"iteration": iteration, "parameters": mine}, partial)
         partial.replace(path)
         return path
+
+
+def move_back(plan: dict[str, Any], rank: int, held: Optional[StageState], job: StageState,
+              schedule: Optional[dict[str, Any]]) -> dict[str, Any]:
+    """Growing back (every rank of the job's world calls it): each unit of the job's layout
+    that ``rank`` lacks comes from the survivor the plan names, into the script's own model and
+    optimizer (``job``); ``held`` is a survivor's state on the templates (None at a standby).
+    Returns the learning-rate schedule, sent by the first survivor (``schedule`` there)."""
+    everyone = dist.new_group(list(range(dist.get_world_size())))
+    moves = [Transfer(unit, source, destination) for unit, source, destination in plan["moves"]]
+    relayout(moves, rank, held, job, group=everyone)
+    carried = [schedule]
+    dist.broadcast_object_list(carried, src=plan["survivors"][0], group=everyone)
+    dist.destroy_process_group(everyone)
+    return carried[0]

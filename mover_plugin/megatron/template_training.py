@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -123,6 +123,19 @@ def canonical_name(name: str, first_layer: int) -> str:
     return name
 
 
+def canonical_parameters(named: Iterable[tuple[str, Any]], first_layer: int, *,
+                         tied: bool = True) -> dict[str, Any]:
+    """A stage's parameters (or their values) by canonical name; with ``tied`` the output
+    layer's weight is named as the word embedding it copies."""
+    names = {}
+    for name, value in named:
+        canonical = canonical_name(name, first_layer)
+        if tied and name.startswith("output_layer."):
+            canonical = canonical.replace("output_layer.", "embedding.word_embeddings.", 1)
+        names[canonical] = value
+    return names
+
+
 def unit_of(name: str, tied: bool) -> str:
     """The placement unit of a canonical parameter name."""
     if name.startswith("decoder.layers."):
@@ -149,13 +162,8 @@ class StageState:
                  tied: bool = True) -> "StageState":
         """``module`` (a Megatron-Core model, unwrapped) whose first transformer layer is global
         layer ``first_layer``."""
-        names = {}
-        for name, param in module.named_parameters():
-            canonical = canonical_name(name, first_layer)
-            if tied and name.startswith("output_layer."):
-                canonical = canonical.replace("output_layer.", "embedding.word_embeddings.", 1)
-            names[canonical] = param
-        return cls(names, optimizer, tied)
+        return cls(canonical_parameters(module.named_parameters(), first_layer, tied=tied),
+                   optimizer, tied)
 
     def unit_parameters(self, unit: str) -> list[tuple[str, torch.nn.Parameter]]:
         return sorted((name, param) for name, param in self.parameters.items()
@@ -279,6 +287,8 @@ class StageTrainer:
         self.state = StageState.of_model(module, self.optimizer, self.role.layers[0],
                                          tied=placement.tied)
         self._reductions = self._gradient_reductions()
+        self.voted = False
+        """Whether a rank voted in the last :meth:`train_step`."""
         self._p2p = None
         if len(self.role.pipeline_ranks) > 1:
             from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
@@ -323,9 +333,10 @@ class StageTrainer:
             dist.all_reduce(flat, group=group)
             _unflatten(flat, grads)
 
-    def train_step(self, iteration: int) -> tuple[float, float]:
+    def train_step(self, iteration: int, vote: bool = False) -> tuple[float, float]:
         """One optimizer step on global batch ``iteration``: (mean loss over the global batch,
-        gradient norm); every rank of the world calls it."""
+        gradient norm); every rank of the world calls it. The loss all-reduce also carries
+        ``vote``: afterwards :attr:`voted` says whether any rank voted."""
         from megatron.core.pipeline_parallel.schedules import (
             forward_backward_no_pipelining,
             forward_backward_pipelining_without_interleaving,
@@ -346,14 +357,16 @@ class StageTrainer:
             losses = forward_backward_no_pipelining(**common)
         _, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=recipe.global_batch_size)
-        return self._global_loss(losses), float(grad_norm or 0.0)
+        return self._global_loss(losses, vote), float(grad_norm or 0.0)
 
-    def _global_loss(self, losses: list[dict[str, torch.Tensor]]) -> float:
-        total = torch.zeros(1, dtype=torch.float64)
+    def _global_loss(self, losses: list[dict[str, torch.Tensor]], vote: bool) -> float:
+        total = torch.zeros(2, dtype=torch.float64)
         if self.role.post_process:
-            total += sum(float(item["lm loss"]) for item in losses)
+            total[0] += sum(float(item["lm loss"]) for item in losses)
+        total[1] = float(vote)
         dist.all_reduce(total)
-        return total.item() / self.placement.microbatches
+        self.voted = bool(total[1] > 0)
+        return total[0].item() / self.placement.microbatches
 
     def take_scheduler_state(self, state: dict[str, Any]) -> None:
         """The learning-rate schedule where the job's was."""

@@ -18,7 +18,9 @@ alarms, commits, switches and state transfer; a framework adapter
   they continue from (or roll back), the survivor settles its interrupted step, and the
   answer names which live rank sends each joiner its state; the runtime then does the sending;
   after a shrink (no standby), :meth:`~FrameworkAdapter.continue_on_templates` at every
-  survivor;
+  survivor; growing back, :meth:`~FrameworkAdapter.leave_templates` and
+  :meth:`~FrameworkAdapter.continue_after_growth` at a survivor and
+  :meth:`~FrameworkAdapter.join_after_growth` at a standby;
 - **state** — :meth:`~FrameworkAdapter.state_tensors` (sent and received in place) and
   :meth:`~FrameworkAdapter.state_blob` / :meth:`~FrameworkAdapter.load_state` (everything
   else), for each kind of :class:`Transfer`.
@@ -103,6 +105,19 @@ class FrameworkAdapter(Protocol):
         (:mod:`mover_plugin.shrink`) and hands the runtime its step
         (:meth:`~mover_plugin.runtime.resilience.ResilienceRuntime.train_with`). Called only
         in a job whose first rank published a :class:`~mover_plugin.shrink.TemplateSpec`."""
+
+    def leave_templates(self) -> None:
+        """Growing back, at a survivor: releases the groups of the pipeline templates (their
+        state is kept until :meth:`continue_after_growth`)."""
+
+    def continue_after_growth(self, plan: dict[str, Any]) -> None:
+        """Growing back, at a survivor, once the job's groups exist again and the script's
+        objects point at them: agrees on the iteration and moves the state of the templates
+        back into the script's objects, sending the standbys theirs."""
+
+    def join_after_growth(self, plan: dict[str, Any]) -> Continuation:
+        """Growing back, at a standby that takes a lost rank: its part of the same agreement
+        and transfers."""
 
     def state_tensors(self, transfer: Transfer) -> list[torch.Tensor]:
         """The tensors sent (or received into, in place) for ``transfer``."""

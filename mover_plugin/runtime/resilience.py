@@ -53,6 +53,8 @@ from mover_plugin.comm.delta import (
     discard_delta,
     install_delta,
     member_groups,
+    member_groups_in_order,
+    pair_rebuilt_groups,
     prepare_delta,
 )
 from mover_plugin.comm.work import waited_s
@@ -71,7 +73,7 @@ from mover_plugin.runtime.migration import MigrationParticipant
 from mover_plugin.runtime.notices import NoticeWatcher
 from mover_plugin.runtime.rewire import rewire, rewire_module_globals
 from mover_plugin.runtime.settings import ResilienceSettings
-from mover_plugin.shrink import SHRINK
+from mover_plugin.shrink import GROW, SHRINK
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +98,14 @@ class ResilienceRuntime:
         """For a promoted standby: its replacement record (rank, twin)."""
         self._joining_migration = False
         """For a promoted standby: whether it replaces a leaving rank (else a lost one)."""
+        self._joining_growth: Optional[dict[str, Any]] = None
+        """For a standby promoted to grow a shrunk job back: the generation's plan."""
+        self.grow_agreed = False
+        """Set by the adapter when the survivors on pipeline templates agreed, in the iteration
+        that just ran, to grow back at its end."""
+        self._job_groups: list[Any] = []
+        """The groups of the job's own layout when it shrank, to rewire once they are built
+        again on growing back."""
         self._heartbeat = Heartbeat(progress, settings.heartbeat_interval_s,
                                     settings.failure_timeout_s)
         progress.measure_busy_time(waited_s)  # for the slow-rank policy
@@ -144,6 +154,7 @@ class ResilienceRuntime:
         plan = self.control.wait_for_plan(self.generation)
         self.joiner_of = next(r for r in plan["replacements"] if r["rank"] == self.rank)
         self._joining_migration = plan.get("kind") == "migration"
+        self._joining_growth = plan if plan.get("kind") == GROW else None
         self.faults.arm(plan.get("fault"))
         os.environ["RANK"] = str(self.rank)
         logger.warning("standby %s promoted to rank %d in generation %d",
@@ -174,13 +185,14 @@ class ResilienceRuntime:
                 self._tear_down_groups()
             self._follow_as_joiner()
 
-    def _init_groups(self) -> None:
+    def _init_groups(self, connect: Optional[bool] = None) -> None:
         # The others' default group is covered by their other groups: a joiner's needs no
-        # connections of its own (mover_plugin.comm.world).
+        # connections of its own (mover_plugin.comm.world); nor does anyone's when all build
+        # it anew (growing back).
+        connect = self.joiner_of is None if connect is None else connect
         dist.init_process_group(BACKEND_NAME, store=self.control.generation_store(self.generation),
                                 rank=self.rank, world_size=self.world_size,
-                                timeout=self.timeout(),
-                                pg_options=WorldOptions(connect=self.joiner_of is None))
+                                timeout=self.timeout(), pg_options=WorldOptions(connect=connect))
         self.adapter.init_groups()
 
     def _tear_down_groups(self) -> None:
@@ -213,6 +225,8 @@ class ResilienceRuntime:
         if self._joining_migration:
             self._receive_or_exit(Transfer.HANDOVER)
             return self.ledger.applied
+        if self._joining_growth is not None:
+            return self.adapter.join_after_growth(self._joining_growth).iteration
         plan: Optional[dict[str, Any]] = None
         while True:
             try:
@@ -334,7 +348,9 @@ class ResilienceRuntime:
                 self.adapter.after_step(iteration)
                 self.ledger.end()
                 self._last_step_s = time.time() - started
-                if self.migration.switch_agreed and not self.switch_before_next_step:
+                if self.grow_agreed:
+                    self._grow_back(self._last_step_s)
+                elif self.migration.switch_agreed and not self.switch_before_next_step:
                     self.migration.switch_at_boundary(self._last_step_s)
                 return result, iteration + 1
             except Exception as error:  # noqa: BLE001 - filtered just below
@@ -345,10 +361,15 @@ class ResilienceRuntime:
                 self.ledger.end()
                 return None, continuation.iteration
 
-    def train_with(self, step: Callable[[int], Any]) -> None:
+    def train_with(self, step: Optional[Callable[[int], Any]]) -> None:
         """From now on every iteration runs ``step`` instead of the script's (the adapter's,
-        after the job shrank onto pipeline templates)."""
+        after the job shrank onto pipeline templates; None: the script's again)."""
         self._own_step = step
+
+    @property
+    def switch_requested(self) -> bool:
+        """Whether the controller asked this generation to switch at an iteration boundary."""
+        return self.migration.switch_requested
 
     def recover_between_steps(self, error: BaseException) -> int:
         """For a peer lost while this rank ran the training loop's own collectives between
@@ -466,6 +487,7 @@ class ResilienceRuntime:
         world of their own, numbered in the order of their job ranks (this process keeps its
         job rank towards the controller), and the adapter moves the training onto the plan's
         pipeline templates."""
+        self._job_groups = member_groups_in_order()
         self.adapter.teardown()
         dist.destroy_process_group()
         clear_alarm()
@@ -476,6 +498,36 @@ class ResilienceRuntime:
                                 world_size=self.world_size, timeout=self.timeout(),
                                 pg_options=WorldOptions(connect=True))
         return self.adapter.continue_on_templates(plan, snapshot)
+
+    def _grow_back(self, step_s: float) -> None:
+        """A survivor's switch from pipeline templates back to the job's own layout, at the
+        end of the iteration in which the survivors agreed on it: the job's world and groups
+        are built again (with the standbys that take the lost ranks), every reference the
+        script's objects hold to the groups of the job before the shrink is pointed at their
+        new counterparts, and the adapter moves the state back into the script's objects."""
+        ended = time.time()
+        self.grow_agreed = False
+        self.advance_generation()
+        plan = self.control.wait_for_plan(self.generation)
+        self.progress.generation = self.generation
+        self.adapter.leave_templates()
+        dist.destroy_process_group()
+        clear_alarm()
+        self.world_size = plan["world_size"]
+        self._init_groups(connect=False)
+        replaced = pair_rebuilt_groups(self._job_groups, member_groups_in_order())
+        self._job_groups = []
+        objects, modules = self.adapter.group_holders()
+        count = (sum(rewire_module_globals(module, replaced) for module in modules)
+                 + rewire(objects, replaced))
+        self.adapter.continue_after_growth(plan)
+        self.adapter.after_switch()
+        self._own_step = None
+        self.control.post("switched", rank=self.rank, role="survivor", time=time.time(),
+                          switch_s=time.time() - ended, references=count, boundary_end=ended,
+                          boundary_step_s=step_s, boundary_step=self.ledger.applied)
+        logger.warning("rank %d runs on the job's own layout again (generation %d)", self.rank,
+                       self.generation)
 
     def _rejoin(self, plan: dict[str, Any], started: float) -> Continuation:
         """A promoted standby that was still a joiner when the controller planned ``plan``
