@@ -1,62 +1,65 @@
 #!/usr/bin/env python
-"""Benchmark of pipeline templates: throughput before, while shrunk and after growing back,
-and what a switch costs against a restart of the same job.
+"""Benchmark of pipeline templates in a running job: throughput before a loss, while shrunk
+and after growing back, and the downtime of each change against a restart of the same job.
 
-The example's Megatron-Core GPT (TP1 x PP2 x DP2 on 4 CPU processes, no dropout) is first
-measured on one process (a per-layer profile, mover_plugin.megatron.layer_profile); the
-planner plans from that profile. Then (mover_plugin.megatron.template_run) the job trains
-``--steps`` steps; rank 3 drops out and ranks 0-2 switch to the planner's placement for three
-hosts (a 2-stage and a 1-stage pipeline) and train ``--steps`` more; rank 3 comes back with
-no state and all four switch to the placement for four hosts and train ``--steps`` more. It
-prints:
+The example's Megatron-Core GPT (TP1 x PP2 x DP2 on 4 CPU processes, 8 layers of width 64, no
+dropout) is first measured on one process (a per-layer profile,
+mover_plugin.megatron.layer_profile), from which the planner predicts the shrunk job's
+throughput. Then the job runs under ``mover-launch --policy resilient --standbys 0
+--refill-delay-s 0`` with ``--resilient``: its agent SIGKILLs rank 3 at step ``--kill-at``;
+with no standby ready the survivors shrink onto the planner's pipelines for three hosts (a
+2-stage and a 1-stage pipeline); the lost rank's slot is refilled with a standby at once, and
+once it is ready the job grows back to PP2 x DP2. It prints:
 
-* the median step time of each phase, its throughput against the full job's, and, while
-  shrunk, the planner's predicted ratio (from the measured profile);
-* each switch's time (new groups, the stage model built, layers and optimizer state copied, the
-  schedule carried over), slowest rank, and the bytes moved;
-* a restart of the same job (mover-launch, a checkpoint every step, one SIGKILL): its
-  downtime as the run summary reports it, and the ratio to the shrink's switch.
+* the median step time of each phase (as the step lines print it; the first step after each
+  change left out) and that of the same steps of a failure-free run of the job, measured first
+  in the same invocation: the phase's throughput as a ratio to the failure-free run's, and,
+  while shrunk, the planner's predicted ratio;
+* the downtime of the shrink and of the growing back, as the run summary reports them (from the
+  failure, or from the end of the last step before the switch, to the end of the first step
+  after it), and the bytes of layers and optimizer state moved;
+* a restart of the same job (mover-launch's restart policy, a checkpoint every step, one
+  SIGKILL): its downtime as the run summary reports it, and its ratio to the shrink's.
 
 On a machine with fewer cores than ranks the ranks share cores, so a phase with fewer ranks
-gets more of each: the throughput ratios then say little about hosts of their own (it prints
-a note). The switch is timed in-process: a real loss adds its detection (as it does for the restart,
-whose summary counts from the failure). Usage::
+gets more of each: the throughput ratios then say little about hosts of their own (it prints a
+note). Usage::
 
-    python bench/templates_shrink.py --steps 6 --out runs/bench-templates
+    python bench/templates_shrink.py --steps 500 --out runs/bench-templates
 """
 
 from __future__ import annotations
 
-import math
 import os
+import re
 import statistics
 from pathlib import Path
 
 from common import add_out_argument, benchmark_parser, job_folder, new_out_folder
 from jobs import (GPT_EXAMPLE, checkpoint_flags, gpt_model_flags, mover_launch_command,
-                  run_job, summary_with_digest)
+                  read_events, read_summary, run_job, summary_with_digest)
 
 from mover_plugin.testing import run_ranks
 from mover_plugin.megatron.template_run import (
     JOB_PIPELINES,
     TemplateRun,
     measure_example_profile,
-    train_shrink_and_grow,
 )
 
 LAYERS = 8
 NO_DROPOUT = ("--hidden-dropout", "0", "--attention-dropout", "0")
+STEP_LINE = re.compile(r"^step\s+(\d+)/\d+ \|.*\| step time (\S+) ms", re.MULTILINE)
 
 
 def model_flags(steps: int) -> list[str]:
     return [*gpt_model_flags(pipeline=2, layers=LAYERS, train_iters=steps), *NO_DROPOUT]
 
 
-def template_run(profile=None) -> TemplateRun:
+def template_run() -> TemplateRun:
     argv = model_flags(1)
-    at = argv.index("--train-iters")  # each phase sets its own
+    at = argv.index("--train-iters")
     del argv[at:at + 2]
-    return TemplateRun(Path(GPT_EXAMPLE), tuple(argv), LAYERS, slots=4, profile=profile)
+    return TemplateRun(Path(GPT_EXAMPLE), tuple(argv), LAYERS, slots=4)
 
 
 def predicted_ratio(profile, slots: int) -> float:
@@ -74,10 +77,22 @@ def predicted_ratio(profile, slots: int) -> float:
     return shrunk.throughput / (slots / job.iteration_s(per_pipeline))
 
 
-def restart_downtime(out: Path, steps: int) -> float:
+def resilient_job(out: Path, name: str, steps: int, *options: str
+                  ) -> tuple[dict, list[dict], dict[int, float]]:
+    """A resilient run of the job with ``--standbys 0``: its summary, event log and each
+    step's time (ms)."""
+    folder = job_folder(out, name)
+    options = ("--policy", "resilient", "--standbys", "0", *options)
+    result = run_job([*mover_launch_command(folder, 4, *options), GPT_EXAMPLE,
+                      *model_flags(steps), "--resilient"], f"the {name} run failed")
+    times = {int(step): float(ms) for step, ms in STEP_LINE.findall(result.stdout)}
+    return read_summary(folder), read_events(folder), times
+
+
+def restart_downtime(out: Path, steps: int, kill_at: int) -> float:
     folder = job_folder(out, "restart")
-    options = ["--inject-failure", f"3:{steps}"]
-    script = [GPT_EXAMPLE, *model_flags(2 * steps), *checkpoint_flags(folder)]
+    options = ["--inject-failure", f"3:{kill_at}"]
+    script = [GPT_EXAMPLE, *model_flags(steps), *checkpoint_flags(folder)]
     result = run_job([*mover_launch_command(folder, 4, *options, event_log=False), *script],
                      "the restart run failed")
     summary = summary_with_digest(folder, result)
@@ -86,44 +101,51 @@ def restart_downtime(out: Path, steps: int) -> float:
 
 def main() -> None:
     parser = benchmark_parser(__doc__, repeats=1)
-    parser.add_argument("--steps", type=int, default=6, help="steps in each phase (default 6)")
+    parser.add_argument("--steps", type=int, default=500,
+                        help="steps of the job (default 500; the refilled standby needs about "
+                        "10 s to be ready)")
+    parser.add_argument("--kill-at", type=int, default=30,
+                        help="the step at which rank 3 is killed (default 30)")
     add_out_argument(parser, "bench-templates")
     args = parser.parse_args()
     out = new_out_folder(args.out)
-    steps = max(args.steps, 3)
 
     (measured,) = run_ranks(measure_example_profile, 1, template_run(), timeout_s=300,
                             group_timeout_s=120)
     profile = measured["profile"]
     print("profile (ms forward + backward):",
           " ".join(f"{c.name}={1000 * c.step_s:.1f}" for c in profile.layers))
-    ranks = run_ranks(train_shrink_and_grow, 4, template_run(profile), steps, steps, steps,
-                      timeout_s=900, group_timeout_s=120)
-    phases = {"full": range(1, steps), "shrunk": range(steps + 1, 2 * steps),
-              "grown": range(2 * steps + 1, 3 * steps)}  # each phase's first step left out
-    medians = {name: statistics.median(max(r["times"][i] for r in ranks
-                                           if not math.isnan(r["times"][i])) for i in span)
+    _, _, baseline = resilient_job(out, "failure-free", args.steps)
+    summary, events, times = resilient_job(out, "templates", args.steps, "--refill-delay-s", "0",
+                                           "--inject-failure", f"3:{args.kill_at}")
+    shrink, *rest = summary["interruptions"]
+    if shrink["recovery"] != "shrink" or not rest or rest[0]["recovery"] != "grow":
+        raise SystemExit(f"the job did not shrink and grow back: {summary['interruptions']}")
+    grow = rest[0]
+    at_shrink, at_grow = shrink["step"], grow["step"]
+    phases = {"full": range(2, at_shrink), "shrunk": range(at_shrink + 2, at_grow + 1),
+              "grown": range(at_grow + 2, args.steps + 1)}
+    medians = {name: (statistics.median(times[i] for i in span),
+                      statistics.median(baseline[i] for i in span))
                for name, span in phases.items()}
     cores = os.cpu_count() or 1
     if cores < 4:
         print(f"note: {cores} cores for 4 ranks: the ranks share cores, so a phase with fewer "
               "ranks gets more of each; the planner assumes a host per stage")
-    print(f"placements: shrunk {ranks[0]['shrunk']}; grown {ranks[0]['grown']}")
-    for name, median in medians.items():
-        ratio = medians["full"] / median
+    print(f"plans: shrunk {shrink['plan']} (steps {at_shrink}-{at_grow}); grown {grow['plan']}")
+    for name, (median, failure_free) in medians.items():
         extra = (f"  (planner's prediction {predicted_ratio(profile, 4):.2f})"
                  if name == "shrunk" else "")
-        print(f"{name:>7}: step {1000 * median:7.1f} ms  throughput x{ratio:.2f} of the full "
-              f"job{extra}")
-    shrink = max(r["shrink_s"] for r in ranks[:3])
-    grow = max(r["grow_s"] for r in ranks[:3])  # rank 3 waited through the shrunk phase
-    moved = (sum(r["shrunk_received"] for r in ranks[:3]), sum(r["grown_received"]
-                                                              for r in ranks))
-    print(f"switch to 3 ranks: {shrink:.3f} s ({moved[0] / 1e6:.2f} MB moved); back to 4: "
-          f"{grow:.3f} s ({moved[1] / 1e6:.2f} MB moved)")
-    restart = restart_downtime(out, steps)
-    print(f"restart of the same job after a SIGKILL: downtime {restart:.3f} s; "
-          f"the shrink's switch is x{restart / shrink:.1f} shorter")
+        print(f"{name:>7}: steps {phases[name].start}-{phases[name].stop - 1}: median step "
+              f"{median:7.1f} ms, failure-free run {failure_free:7.1f} ms: throughput "
+              f"x{failure_free / median:.2f}{extra}")
+    moved = [sum(e.get("received_bytes", 0) for e in events if e["event"] == "switched"
+                 and e["generation"] == item["generation"]) for item in (shrink, grow)]
+    print(f"shrink: downtime {shrink['downtime_s']:.3f} s ({moved[0] / 1e6:.2f} MB moved); "
+          f"grow back: downtime {grow['downtime_s']:.3f} s ({moved[1] / 1e6:.2f} MB moved)")
+    restart = restart_downtime(out, 2 * args.kill_at, args.kill_at)
+    print(f"restart of the same job after a SIGKILL: downtime {restart:.3f} s; the shrink's "
+          f"downtime is x{restart / shrink['downtime_s']:.1f} shorter")
 
 
 if __name__ == "__main__":

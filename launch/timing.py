@@ -149,7 +149,8 @@ class InterruptionTiming(Unit):
         ctx = self._ctx
         if not self._note_report(ctx.generation.switched, event):
             return None
-        extra = {key: event[key] for key in ("adopted", "rebuilt", "kept") if key in event}
+        extra = {key: event[key] for key in ("adopted", "rebuilt", "kept", "received_bytes")
+                 if key in event}
         ctx.record("switched", "switch", generation=event["generation"], rank=event["rank"],
                    when=event["time"], role=event.get("role"), **extra)
         item = ctx.job.interruption

@@ -275,7 +275,7 @@ class DeepSpeedResilience:
     def leave_templates(self) -> None:
         raise LaunchError("a DeepSpeed job cannot train on pipeline templates")
 
-    def continue_after_growth(self, plan: dict[str, Any]) -> None:
+    def continue_after_growth(self, plan: dict[str, Any]) -> int:
         raise LaunchError("a DeepSpeed job cannot train on pipeline templates")
 
     def join_after_growth(self, plan: dict[str, Any]) -> Continuation:

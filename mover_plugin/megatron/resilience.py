@@ -45,8 +45,13 @@ sends the joiner the parameters and the shard.
 Otherwise every rank, the joiner included, rolls back in place to the last checkpoint (the
 ``load`` given to :meth:`MegatronResilience.first_iteration`) and trains on from there.
 
+**No standby ready.** A script that hands its stage recipe to
+:meth:`MegatronResilience.enable_templates` lets the controller shrink the job instead of
+restarting it: the survivors train on pipeline templates, and grow back to the job's own layout
+once standbys are ready (:mod:`mover_plugin.megatron.shrunk_training`).
+
 Limitations: a lost rank needs a live data-parallel twin (otherwise the controller falls back
-to the restart baseline); every group uses the ``mover`` backend, so Megatron's extra gloo
+to the restart baseline, or shrinks when the script enabled templates); every group uses the ``mover`` backend, so Megatron's extra gloo
 groups are not created (``--resilient`` implies ``--disable-gloo-process-groups``).
 """
 
@@ -288,7 +293,7 @@ class MegatronResilience:
         self._shrunk = ShrunkTraining(plan, dist.get_rank(), self._recipe, self._job_state(),
                                       self._scheduler.state_dict())
         self.runtime.train_with(self._step_on_templates)
-        return Continuation(target)
+        return Continuation(target, received_bytes=self._shrunk.received_bytes)
 
     def _step_on_templates(self, iteration: int) -> tuple[float, float]:
         """An iteration after the shrink; the script's optimizer shows the schedule's
@@ -306,20 +311,23 @@ class MegatronResilience:
         self._shrunk.trainer.groups.destroy()
         self.teardown()  # what the templates set in parallel_state (its memory buffer)
 
-    def continue_after_growth(self, plan: dict[str, Any]) -> None:
+    def continue_after_growth(self, plan: dict[str, Any]) -> int:
         assert self._shrunk is not None
         self._agree_on_iteration(contribute=True)
         trainer = self._shrunk.trainer
-        self._load_schedule(move_back(plan, self.runtime.rank, trainer.state, self._job_state(),
-                                      trainer.scheduler.state_dict()))
+        schedule, received = move_back(plan, self.runtime.rank, trainer.state, self._job_state(),
+                                       trainer.scheduler.state_dict())
+        self._load_schedule(schedule)
         self._shrunk = None
+        return received
 
     def join_after_growth(self, plan: dict[str, Any]) -> Continuation:
         target = self._agree_on_iteration(contribute=False)
-        self._load_schedule(move_back(plan, self.runtime.rank, None, self._job_state(), None))
+        schedule, received = move_back(plan, self.runtime.rank, None, self._job_state(), None)
+        self._load_schedule(schedule)
         forget_agreed_flags(self._optimizer)
         self.runtime.ledger.applied = target
-        return Continuation(target)
+        return Continuation(target, received_bytes=received)
 
     def _job_state(self) -> StageState:
         """The script's model and optimizer, by canonical parameter names."""

@@ -24,7 +24,7 @@ the job restart from its last checkpoint.
 **Growing back.** When standbys are ready for the lost ranks, the controller plans the job's
 own layout again (:func:`mover_plugin.shrink.plan_grow`) and asks the survivors to switch at an
 iteration boundary: the loss all-reduce of an iteration carries who saw the request, so all of
-them agree in the same one (:meth:`ShrunkTraining.step`). At its end each survivor builds the
+them agree in the same one (:meth:`ShrunkTraining.step`). Before the next each survivor builds the
 job's groups again, its script objects are pointed at them, and :func:`move_back` puts the
 layers it holds on the templates into the script's model and optimizer, receives those it
 lacks from a survivor, and gives each standby everything of its rank; the first survivor sends
@@ -142,15 +142,17 @@ class ShrunkTraining:
 
 
 def move_back(plan: dict[str, Any], rank: int, held: Optional[StageState], job: StageState,
-              schedule: Optional[dict[str, Any]]) -> dict[str, Any]:
+              schedule: Optional[dict[str, Any]]) -> tuple[dict[str, Any], int]:
     """Growing back (every rank of the job's world calls it): each unit of the job's layout
     that ``rank`` lacks comes from the survivor the plan names, into the script's own model and
     optimizer (``job``); ``held`` is a survivor's state on the templates (None at a standby).
-    Returns the learning-rate schedule, sent by the first survivor (``schedule`` there)."""
+    Returns the learning-rate schedule, sent by the first survivor (``schedule`` there), and
+    the bytes received. The transfers go over a group of all ranks: two ranks of the job's
+    layout need not share any other group."""
     everyone = dist.new_group(list(range(dist.get_world_size())))
     moves = [Transfer(unit, source, destination) for unit, source, destination in plan["moves"]]
-    relayout(moves, rank, held, job, group=everyone)
+    received = relayout(moves, rank, held, job, group=everyone)
     carried = [schedule]
     dist.broadcast_object_list(carried, src=plan["survivors"][0], group=everyone)
     dist.destroy_process_group(everyone)
-    return carried[0]
+    return carried[0], received

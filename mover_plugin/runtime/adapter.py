@@ -64,6 +64,9 @@ class Continuation:
     rollback)."""
     rolled_back: bool = False
     """Every rank rolled back to the last checkpoint instead of continuing in place."""
+    received_bytes: int = 0
+    """What this rank received of layers and optimizer state when the job's layout changed
+    (a shrink onto pipeline templates, or growing back)."""
 
 
 class FrameworkAdapter(Protocol):
@@ -110,10 +113,11 @@ class FrameworkAdapter(Protocol):
         """Growing back, at a survivor: releases the groups of the pipeline templates (their
         state is kept until :meth:`continue_after_growth`)."""
 
-    def continue_after_growth(self, plan: dict[str, Any]) -> None:
+    def continue_after_growth(self, plan: dict[str, Any]) -> int:
         """Growing back, at a survivor, once the job's groups exist again and the script's
         objects point at them: agrees on the iteration and moves the state of the templates
-        back into the script's objects, sending the standbys theirs."""
+        back into the script's objects, sending the standbys theirs. Returns the bytes it
+        received."""
 
     def join_after_growth(self, plan: dict[str, Any]) -> Continuation:
         """Growing back, at a standby that takes a lost rank: its part of the same agreement

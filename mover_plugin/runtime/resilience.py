@@ -24,6 +24,13 @@ hands itself to a :class:`ResilienceRuntime`, which holds everything else:
   every rank enters only with complete gradients) before the optimizer update. It also carries
   "I saw the controller's switch request" so all ranks learn in the same iteration that a
   planned switch is due.
+- **No standby ready**: the controller may plan a *shrink* instead
+  (:mod:`mover_plugin.shrink`): the survivors shut every group of the old world down, make a
+  world of their own, and the adapter trains them on pipeline templates with a step of its own
+  (:meth:`ResilienceRuntime.train_with`). When standbys are ready again the controller asks
+  for a switch; the survivors agree in an iteration and, before the next, build the job's
+  world and groups again, point the script's objects at them, and the adapter moves the state
+  back; the standbys join with it (:meth:`ResilienceRuntime.join`).
 - **Planned migration**: :mod:`mover_plugin.runtime.migration`. **Injected faults** for its
   tests: :mod:`mover_plugin.runtime.faults`.
 """
@@ -102,7 +109,9 @@ class ResilienceRuntime:
         """For a standby promoted to grow a shrunk job back: the generation's plan."""
         self.grow_agreed = False
         """Set by the adapter when the survivors on pipeline templates agreed, in the iteration
-        that just ran, to grow back at its end."""
+        that just ran, to grow back: at the start of the next :meth:`run_step`."""
+        self._received_bytes = 0
+        """For a standby promoted to grow a shrunk job back: the state it received."""
         self._job_groups: list[Any] = []
         """The groups of the job's own layout when it shrank, to rewire once they are built
         again on growing back."""
@@ -118,6 +127,7 @@ class ResilienceRuntime:
         loop that runs collectives of its own between two steps, such as Megatron-LM's
         logging, which the leaver, not the joiner, must take part in)."""
         self._last_step_s = 0.0
+        self._last_step_end = 0.0
         self._own_step: Optional[Callable[[int], Any]] = None
         """The adapter's step that replaces the script's once the job shrank onto pipeline
         templates (:meth:`train_with`)."""
@@ -215,7 +225,8 @@ class ResilienceRuntime:
                           time=started, adopted=adopted)
         target = self._continue_as_joiner()
         self.control.post("switched", rank=self.rank, role="joiner", time=time.time(),
-                          build_s=time.time() - started, adopted=adopted)
+                          build_s=time.time() - started, adopted=adopted,
+                          received_bytes=self._received_bytes)
         return target
 
     def _continue_as_joiner(self) -> int:
@@ -226,7 +237,9 @@ class ResilienceRuntime:
             self._receive_or_exit(Transfer.HANDOVER)
             return self.ledger.applied
         if self._joining_growth is not None:
-            return self.adapter.join_after_growth(self._joining_growth).iteration
+            continuation = self.adapter.join_after_growth(self._joining_growth)
+            self._received_bytes = continuation.received_bytes
+            return continuation.iteration
         plan: Optional[dict[str, Any]] = None
         while True:
             try:
@@ -334,6 +347,8 @@ class ResilienceRuntime:
         or when every rank rolled back to a checkpoint) and the number of iterations
         completed.
         """
+        if self.grow_agreed:
+            self._grow_back()
         if self.migration.switch_agreed and self.switch_before_next_step:
             self.migration.switch_at_boundary(self._last_step_s)
         self.progress.generation = self.generation  # deferred after a planned switch
@@ -347,10 +362,9 @@ class ResilienceRuntime:
                 result = (self._own_step or step)(iteration)
                 self.adapter.after_step(iteration)
                 self.ledger.end()
-                self._last_step_s = time.time() - started
-                if self.grow_agreed:
-                    self._grow_back(self._last_step_s)
-                elif self.migration.switch_agreed and not self.switch_before_next_step:
+                self._last_step_end = time.time()
+                self._last_step_s = self._last_step_end - started
+                if self.migration.switch_agreed and not self.switch_before_next_step:
                     self.migration.switch_at_boundary(self._last_step_s)
                 return result, iteration + 1
             except Exception as error:  # noqa: BLE001 - filtered just below
@@ -466,7 +480,8 @@ class ResilienceRuntime:
             except Exception as error:  # noqa: BLE001 - filtered just below
                 self._switch_again_or_raise("switching", error)
         self.control.post("switched", rank=self.rank, role="survivor", time=time.time(),
-                          switch_s=time.time() - started, references=replaced)
+                          switch_s=time.time() - started, references=replaced,
+                          received_bytes=continuation.received_bytes)
         return continuation
 
     def _survive_in(self, plan: dict[str, Any],
@@ -499,13 +514,14 @@ class ResilienceRuntime:
                                 pg_options=WorldOptions(connect=True))
         return self.adapter.continue_on_templates(plan, snapshot)
 
-    def _grow_back(self, step_s: float) -> None:
+    def _grow_back(self) -> None:
         """A survivor's switch from pipeline templates back to the job's own layout, at the
-        end of the iteration in which the survivors agreed on it: the job's world and groups
-        are built again (with the standbys that take the lost ranks), every reference the
-        script's objects hold to the groups of the job before the shrink is pointed at their
-        new counterparts, and the adapter moves the state back into the script's objects."""
-        ended = time.time()
+        start of the step after the one in which the survivors agreed on it (the script logs
+        that one from the survivors' world): the job's world and groups are built again (with
+        the standbys that take the lost ranks), every reference the script's objects hold to
+        the groups of the job before the shrink is pointed at their new counterparts, and the
+        adapter moves the state back into the script's objects."""
+        ended, step_s = self._last_step_end, self._last_step_s
         self.grow_agreed = False
         self.advance_generation()
         plan = self.control.wait_for_plan(self.generation)
@@ -515,17 +531,15 @@ class ResilienceRuntime:
         clear_alarm()
         self.world_size = plan["world_size"]
         self._init_groups(connect=False)
-        replaced = pair_rebuilt_groups(self._job_groups, member_groups_in_order())
+        count = self._rewire(pair_rebuilt_groups(self._job_groups, member_groups_in_order()))
         self._job_groups = []
-        objects, modules = self.adapter.group_holders()
-        count = (sum(rewire_module_globals(module, replaced) for module in modules)
-                 + rewire(objects, replaced))
-        self.adapter.continue_after_growth(plan)
+        received = self.adapter.continue_after_growth(plan)
         self.adapter.after_switch()
         self._own_step = None
         self.control.post("switched", rank=self.rank, role="survivor", time=time.time(),
                           switch_s=time.time() - ended, references=count, boundary_end=ended,
-                          boundary_step_s=step_s, boundary_step=self.ledger.applied)
+                          boundary_step_s=step_s, boundary_step=self.ledger.applied,
+                          received_bytes=received)
         logger.warning("rank %d runs on the job's own layout again (generation %d)", self.rank,
                        self.generation)
 
@@ -573,12 +587,16 @@ class ResilienceRuntime:
         except BuildCancelled:
             discard_delta(delta)
             raise
-        replaced = install_delta(delta)
-        objects, modules = self.adapter.group_holders()
-        count = (sum(rewire_module_globals(module, replaced) for module in modules)
-                 + rewire(objects, replaced))
+        count = self._rewire(install_delta(delta))
         self.adapter.after_switch()
         return count
+
+    def _rewire(self, replaced: dict[int, Any]) -> int:
+        """Points every cached reference to a replaced group at its replacement; returns how
+        many were rewritten."""
+        objects, modules = self.adapter.group_holders()
+        return (sum(rewire_module_globals(module, replaced) for module in modules)
+                + rewire(objects, replaced))
 
     # -- state transfer -------------------------------------------------------------------
 
