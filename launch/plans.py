@@ -19,7 +19,6 @@ optimises is in :mod:`mover_plugin.templates`.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +26,10 @@ from mover_plugin.errors import ConfigError
 from mover_plugin.launch.config import non_negative_int, positive_int
 from mover_plugin.templates import (
     Instantiation,
-    LayerCost,
     Profile,
     Template,
     check_fault_tolerance,
+    load_profile,
     plan_templates,
     transformer_profile,
 )
@@ -81,21 +80,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "fault_tolerance": args.fault_tolerance,
             "templates": [_template(t, profile) for t in templates.values()],
             "plans": [_plan(plans[h]) for h in sorted(plans, reverse=True)]}
-
-
-def load_profile(path: Path) -> Profile:
-    try:
-        raw = json.loads(path.read_text())
-        layers = tuple(LayerCost(str(layer["name"]), float(layer["forward_s"]),
-                                 float(layer["backward_s"]), int(layer["static_bytes"]),
-                                 int(layer["activation_bytes"])) for layer in raw["layers"])
-        return Profile(layers, int(raw["host_memory_bytes"]))
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such profile") from None
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as error:
-        raise ConfigError(f"{path}: not a profile ({type(error).__name__}: {error}); it needs "
-                          "host_memory_bytes and layers with name, forward_s, backward_s, "
-                          "static_bytes, activation_bytes") from None
 
 
 def describe(result: dict[str, Any]) -> str:

@@ -36,7 +36,9 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional, Sequence
 
 import numpy
@@ -312,6 +314,26 @@ def check_fault_tolerance(templates: dict[int, Template], hosts: int, microbatch
                 f"losing {lost}, {error} (the smallest template has {smallest} hosts)"
             ) from None
     return plans
+
+
+# -- a profile from a file --------------------------------------------------------------------
+
+
+def load_profile(path: Path) -> Profile:
+    """A profile from its JSON (``write_profile`` of
+    :mod:`mover_plugin.megatron.layer_profile`); raises :class:`ConfigError` naming the file."""
+    try:
+        raw = json.loads(path.read_text())
+        layers = tuple(LayerCost(str(layer["name"]), float(layer["forward_s"]),
+                                 float(layer["backward_s"]), int(layer["static_bytes"]),
+                                 int(layer["activation_bytes"])) for layer in raw["layers"])
+        return Profile(layers, int(raw["host_memory_bytes"]))
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such profile") from None
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as error:
+        raise ConfigError(f"{path}: not a profile ({type(error).__name__}: {error}); it needs "
+                          "host_memory_bytes and layers with name, forward_s, backward_s, "
+                          "static_bytes, activation_bytes") from None
 
 
 # -- a synthetic profile --------------------------------------------------------------------------

@@ -83,3 +83,38 @@ def test_a_fault_tolerance_the_hosts_cannot_hold_is_refused():
     with pytest.raises(ConfigError, match="must be a whole number of at least 0"):
         parse("--resilient-fault-tolerance", "-1")
     assert parse(world_size=2).resilience.fault_tolerance == 1  # PP2 x DP1: two hosts
+
+
+def test_a_template_profile_is_checked_against_the_model_and_the_hosts(tmp_path):
+    import json
+
+    from mover_plugin.runtime.settings import add_resilience_args
+    from mover_plugin.shrink import profile_record
+    from mover_plugin.templates import transformer_profile
+
+    def parse(profile, *flags):
+        path = tmp_path / "profile.json"
+        path.write_text(json.dumps(profile_record(profile)))
+        return parse_args(["--resilient", "--pipeline-model-parallel-size", "2", "--num-layers",
+                           "4", "--global-batch-size", "8", "--micro-batch-size", "2",
+                           "--resilient-template-profile", str(path), *flags],
+                          world_size=4, extra_args_provider=add_resilience_args)
+
+    gib = 1 << 30
+    fits = transformer_profile(4, layer_bytes=gib, activation_bytes=gib // 8,
+                               host_memory_bytes=80 * gib)
+    assert parse(fits).template_profile == profile_record(fits)
+    with pytest.raises(ConfigError, match=r"profile.json: 8 layers, but this model has 6"):
+        parse(transformer_profile(6))
+    with pytest.raises(ConfigError, match="the model fits no pipeline of 1 to 2 hosts"):
+        parse(transformer_profile(4, host_memory_bytes=gib))
+    # half the model fits a host, the whole does not: 3 hosts left have no plan
+    halves = transformer_profile(4, layer_bytes=gib, activation_bytes=gib // 8,
+                                 host_memory_bytes=4 * gib)
+    with pytest.raises(ConfigError, match=r"fault tolerance 1 is too large for 4 hosts: after "
+                       r"losing 1, no 1 or more pipelines of 2 hosts .* cover exactly 3"):
+        parse(halves)
+    assert parse(halves, "--resilient-fault-tolerance", "0").template_profile is not None
+    with pytest.raises(ConfigError, match="no such profile"):
+        parse_args(["--resilient", "--resilient-template-profile", str(tmp_path / "none.json")],
+                   world_size=1, extra_args_provider=add_resilience_args)

@@ -21,6 +21,13 @@ from mover_plugin.errors import ConfigError
 from mover_plugin.layout import ParallelLayout
 from mover_plugin.runtime.preflight import checked_or_exit
 from mover_plugin.runtime.settings import ResilienceSettings
+from mover_plugin.shrink import profile_record
+from mover_plugin.templates import (
+    PlanningError,
+    check_fault_tolerance,
+    load_profile,
+    plan_templates,
+)
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 BACKENDS = ("gloo", "nccl")
@@ -239,15 +246,18 @@ def _check_resilience(args: argparse.Namespace) -> None:
     if not hasattr(args, "resilient"):
         return
     args.resilience = ResilienceSettings.from_args(args)
-    _check_fault_tolerance(args)
+    _check_templates(args)
     if args.resilient:
         # Plain gloo groups cannot be left when a peer dies, nor replaced in place.
         args.enable_gloo_process_groups = False
 
 
-def _check_fault_tolerance(args: argparse.Namespace) -> None:
+def _check_templates(args: argparse.Namespace) -> None:
     """``--resilient-fault-tolerance F`` asks for F + 1 pipelines when the job shrinks onto
-    pipeline templates: at least one host (rank) each, and a micro-batch each."""
+    pipeline templates: at least one host (rank) each, and a micro-batch each. With
+    ``--resilient-template-profile``, the profile must describe this model, fit some host
+    count, and leave a plan after losing up to F hosts (``args.template_profile`` is then its
+    record for the planner)."""
     tolerance = args.resilience.fault_tolerance
     hosts = args.world_size // args.tensor_model_parallel_size
     microbatches = args.global_batch_size // args.micro_batch_size
@@ -257,6 +267,23 @@ def _check_fault_tolerance(args: argparse.Namespace) -> None:
             f"pipelines, but the job has {hosts} hosts of tensor-parallel size "
             f"{args.tensor_model_parallel_size} and {microbatches} micro-batches per global "
             f"batch; give at most {min(hosts, microbatches) - 1}")
+    args.template_profile = None
+    path = getattr(args, "resilient_template_profile", None)
+    if path is None:
+        return
+    profile = load_profile(Path(path))
+    expected = args.num_layers + 2
+    if len(profile.layers) != expected:
+        raise ConfigError(
+            f"--resilient-template-profile {path}: {len(profile.layers)} layers, but this model "
+            f"has {expected} (the embedding, {args.num_layers} transformer layers, the output "
+            "layer)")
+    try:
+        check_fault_tolerance(plan_templates(profile, args.pipeline_model_parallel_size), hosts,
+                              microbatches, tolerance)
+    except PlanningError as error:
+        raise ConfigError(f"--resilient-template-profile {path}: {error}") from None
+    args.template_profile = profile_record(profile)
 
 
 def _positive(args: argparse.Namespace, *names: str) -> None:

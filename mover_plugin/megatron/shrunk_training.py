@@ -81,7 +81,8 @@ def template_spec(args: argparse.Namespace, settings: ResilienceSettings,
     return TemplateSpec(num_layers=args.num_layers,
                         tied=not args.untie_embeddings_and_output_weights,
                         microbatches=args.global_batch_size // args.micro_batch_size,
-                        fault_tolerance=settings.fault_tolerance)
+                        fault_tolerance=settings.fault_tolerance,
+                        profile=getattr(args, "template_profile", None))
 
 
 def job_first_layer(args: argparse.Namespace, job_rank: int) -> int:

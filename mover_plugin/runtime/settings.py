@@ -82,6 +82,12 @@ def add_resilience_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                        "optimizer shard on a data-parallel peer (saves two shards of host "
                        "memory per rank; a crash then rolls every rank back to the last "
                        "checkpoint).")
+    group.add_argument("--resilient-template-profile", metavar="PATH",
+                       help="A measured per-layer profile (JSON, as 'mover templates --profile' "
+                       "reads) for planning the pipeline templates a job shrinks onto when no "
+                       "standby is ready; checked against the model and "
+                       "--resilient-fault-tolerance before the job starts (default: a GPT-like "
+                       "estimate).")
     for item in fields(ResilienceSettings):
         if item.name == "enabled":
             continue
