@@ -132,8 +132,10 @@ class Controller:
                 self._step_timeline, self._refill, self._host_loss, self._grow_back]
 
     def _wire(self) -> None:
-        # A failure during a migration is the migration's to judge first.
+        # A failure during a migration is the migration's to judge first; the end of training
+        # during a growing back calls it off.
         self._recovery.add_coordinator(self._migrations)
+        self._recovery.add_coordinator(self._grow_back)
         # Once training runs again, a migration's request is done (first), and an injected
         # migration that waited may start.
         self._timing.when_resumed(self._migrations.on_resumed)

@@ -14,6 +14,9 @@ completed on the job's layout), and the attempt no longer counts as shrunk once 
 completed that step.
 
 A rank lost while the job grows back restarts the job (the attempt still counts as shrunk).
+A survivor that finishes training before the switch (the request came in the last steps)
+calls the growing back off: the standbys' promotions are cancelled (their agents stop them),
+and the job ends shrunk.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from typing import Mapping, Optional
 
 from mover_plugin.contract import SWITCH
 from mover_plugin.generations import Replacement
-from mover_plugin.launch.context import Context, EventHandler, Unit
+from mover_plugin.launch.context import Context, Event, EventHandler, Unit
+from mover_plugin.launch.recovery import HANDLED, Claim
 from mover_plugin.launch.summary import Interruption
 from mover_plugin.shrink import GROW, plan_grow
 
@@ -35,8 +39,15 @@ GROWTH = "grow"
 
 
 class GrowBack(Unit):
+    """Also a :class:`~mover_plugin.launch.recovery.Coordinator`: the end of training and the
+    exit of a standby it gave up concern it first."""
+
     def __init__(self, ctx: Context) -> None:
         self._ctx = ctx
+        self._growing: list[Replacement] = []
+        """The standbys of the growing back under way."""
+        self._abandoned: set[str] = set()
+        """The standbys of a growing back that was called off."""
 
     def handlers(self) -> Mapping[str, EventHandler]:
         return {}  # it hears of ready standbys and resumed training from the other units
@@ -47,6 +58,7 @@ class GrowBack(Unit):
     def on_resumed(self, item: Interruption) -> None:
         """Training runs again: a grow back is complete, or one may start now."""
         if item.kind == GROWTH:
+            self._growing = []
             self._ctx.attempt.shrunk = None
             self._ctx.record("grown", "grow", generation=item.generation,
                              downtime_s=item.downtime_s)
@@ -84,6 +96,7 @@ class GrowBack(Unit):
         ctx.summary.interruptions.append(item)
         ctx.job.interruption = item
         ctx.promote(plan, migration=False)
+        self._growing = plan
         ctx.notify(old, SWITCH)
         ctx.record("grow", "grow", when=now, ranks=item.ranks,
                    standbys=[r.standby for r in plan], plan=job.describe(), moved=len(moves))
@@ -91,3 +104,25 @@ class GrowBack(Unit):
                        ctx.job.generation, job.describe(),
                        ", ".join(f"{r.standby} -> rank {r.rank}" for r in plan))
         return ctx.job.generation
+
+    # -- as a coordinator of the crash recovery ---------------------------------------------
+
+    def rank_finished(self, rank: int) -> None:
+        """A survivor that finished training will not switch: the growing back is off."""
+        if self._growing and rank not in {item.rank for item in self._growing}:
+            self._abandon(f"rank {rank} finished training before the switch")
+
+    def claim_failure(self, event: Event, *, leaver: bool) -> Claim:
+        """A standby of a growing back that was called off exits: nothing to recover."""
+        return HANDLED if event.get("standby") in self._abandoned else None
+
+    def _abandon(self, why: str) -> None:
+        ctx = self._ctx
+        for item in self._growing:
+            ctx.post({"op": "cancel_promotion", "standby": item.standby, "rank": item.rank})
+            self._abandoned.add(item.standby)
+        ctx.record("grow_abandoned", "grow", ranks=[item.rank for item in self._growing],
+                   reason=why)
+        logger.warning("growing back called off: %s", why)
+        self._growing = []
+        ctx.job.interruption = None

@@ -426,7 +426,9 @@ def test_a_crash_without_a_standby_shrinks_onto_pipeline_templates(tmp_path):
     assert {"op": "stop", "attempt": 0} in job.commands()
 
 
-def test_a_shrunk_job_grows_back_once_a_standby_is_ready_for_the_lost_rank(tmp_path):
+def shrunk_and_refilled(tmp_path: Path) -> tuple["Job", dict[str, Any]]:
+    """Rank 1 lost with no standby, the survivors training shrunk, and the refill of its slot
+    (at once, on node 0) asked for."""
     job = Job(tmp_path, standbys=0, refill_delay_s=0.0)
     shrinkable(job)
     job.exit(1, when=T0 + 5.5)
@@ -435,9 +437,14 @@ def test_a_shrunk_job_grows_back_once_a_standby_is_ready_for_the_lost_rank(tmp_p
     for rank in (0, 2, 3):
         job.worker("switched", rank=rank, role="survivor", time=T0 + 7.0)
         job.agent(rank // 2, "first_step", rank=rank, step=6, time=T0 + 8.0)
-    job.poll()  # the refill is due at once: the lost rank's slot on node 0 gets a standby
+    job.poll()
     (refill,) = [c for c in job.commands() if c["op"] == "refill"]
     assert refill["node"] == 0
+    return job, refill
+
+
+def test_a_shrunk_job_grows_back_once_a_standby_is_ready_for_the_lost_rank(tmp_path):
+    job, refill = shrunk_and_refilled(tmp_path)
     job.agent(0, "standby_ready", standby=refill["standby"], time=T0 + 20.0)
     assert job.poll() is None
     plan = job.json(plan_key(2))
@@ -472,6 +479,23 @@ def test_a_shrunk_job_grows_back_once_a_standby_is_ready_for_the_lost_rank(tmp_p
     job.exit(3, when=T0 + 30.0)
     job.poll()
     assert len(job.log("shrink")) == 2
+
+
+def test_a_survivor_that_finishes_before_the_switch_calls_the_growing_back_off(tmp_path):
+    job, refill = shrunk_and_refilled(tmp_path)
+    job.agent(0, "standby_ready", standby=refill["standby"], time=T0 + 20.0)
+    job.poll()
+    job.commands()
+    # the survivors end training in the iteration the switch was asked in
+    job.exit(0, returncode=0, how="exit code 0", when=T0 + 21.0)
+    job.poll()
+    assert {"op": "cancel_promotion", "standby": refill["standby"], "rank": 1} in job.commands()
+    (abandoned,) = job.log("grow_abandoned")
+    assert abandoned["ranks"] == [1] and "rank 0 finished training" in abandoned["reason"]
+    # the standby, stopped or failing on its own, is no failure of the job
+    job.exit(1, standby=refill["standby"], when=T0 + 22.0)
+    assert job.poll() is None
+    assert job.log("fallback") == [] and job.commands() == []
 
 
 def test_a_loss_no_template_plan_covers_falls_back_with_both_reasons(tmp_path):
