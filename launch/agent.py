@@ -2,10 +2,11 @@
 
 The agent reads the controller's commands (``start``, ``stop``, ``promote``, ``generation``,
 ``notice``, ``cancel_promotion``, ``discard_leaver``, ``drop``, ``refill``, ``fence``,
-``rejoin``, ``finish``, ``abort``) from the store and posts what it sees (``joined``, ``started``, ``ready``,
-``first_step``, ``worker_exit``, ``leaver_exit``, ``injected``, ``migration_due``, ``hung``,
-``standby_ready``, ``standby_exit``, ``stopped``, ``node_done``, ``node_busy``; ``steps``: global
-rank 0's step ends, batched by :mod:`mover_plugin.launch.step_times`) as events. It notices a
+``rejoin``, ``finish``, ``abort``) from the store and posts what it sees (``joined``,
+``started``, ``ready``, ``first_step``, ``worker_exit``, ``leaver_exit``, ``injected``,
+``migration_due``, ``hung``, ``standby_ready``, ``standby_exit``, ``stopped``, ``node_done``,
+``node_busy``; ``steps``: global rank 0's step ends, batched by
+:mod:`mover_plugin.launch.step_times`) as events. It notices a
 process's exit within one poll period (10 ms), reads each process's progress pipe to deliver
 injected failures at the step they name and to see heartbeats (a process silent past the timeout
 its heartbeats announce is killed, so that its exit starts the recovery), and stops every
@@ -387,10 +388,14 @@ class Agent:
                     self._idle_reported = False
                     self._post("node_busy")
                 return
-        # The standby runs on another host: its agent relabels it.
+        # The standby runs on another host: its agent relabels it. If this host's last rank
+        # crashed and now runs elsewhere, nothing is left to train here.
+        self._report_idle_without_ranks()
+
+    def _report_idle_without_ranks(self) -> None:
+        """Once no process here holds a rank, the host is done (``node_done``) unless one of
+        its standbys is promoted later (then ``node_busy``)."""
         if not self._idle_reported and all(w.rank is None for w in self._workers):
-            # This host's last rank crashed and now runs elsewhere: nothing left to train here
-            # unless one of its standbys is promoted later (then ``node_busy``).
             self._idle_reported = True
             self._post("node_done", steps_completed=None, workers=[])
 
@@ -420,6 +425,7 @@ class Agent:
         for worker in self._workers:
             if worker.rank == rank:
                 worker.leaving = False
+        self._report_idle_without_ranks()  # a growing back called off on a host it had emptied
 
     def _discard_leaver(self, rank: int) -> None:
         """A migration that failed in its phase 2: the process leaving ``rank`` is stopped
@@ -436,9 +442,7 @@ class Agent:
         for worker in [w for w in self._workers if w.rank in ranks and w.exited]:
             self._close_pipe(worker)
             self._workers.remove(worker)
-        if not self._idle_reported and all(w.rank is None for w in self._workers):
-            self._idle_reported = True  # no rank left here
-            self._post("node_done", steps_completed=None, workers=[])
+        self._report_idle_without_ranks()
 
     def _worker_env(
         self, rank: Optional[int], local_rank: Optional[int], attempt: int, progress_fd: int,

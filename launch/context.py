@@ -32,8 +32,8 @@ import torch.distributed as dist
 from mover_plugin.contract import (
     CURRENT_GENERATION_KEY,
     LAYOUT_KEY,
-    TEMPLATES_KEY,
     NOTICE_KINDS,
+    TEMPLATES_KEY,
     plan_key,
     promotion_key,
     successor_key,
@@ -44,8 +44,8 @@ from mover_plugin.launch.eventlog import EventLog
 from mover_plugin.launch.store_gate import StoreGate, attempt_target, host_loopback_store
 from mover_plugin.launch.summary import Interruption, RunSummary
 from mover_plugin.layout import ParallelLayout
-from mover_plugin.shrink import TemplateSpec
 from mover_plugin.mailbox import Mailbox
+from mover_plugin.shrink import TemplateSpec
 
 logger = logging.getLogger(__name__)
 

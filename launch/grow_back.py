@@ -14,27 +14,29 @@ completed on the job's layout), and the attempt no longer counts as shrunk once 
 completed that step.
 
 A rank lost while the job grows back restarts the job (the attempt still counts as shrunk).
-A survivor that finishes training before the switch (the request came in the last steps)
-calls the growing back off: the standbys' promotions are cancelled (their agents stop them),
-and the job ends shrunk.
+A survivor that finishes training before any rank switched (the request came in the last
+steps) calls the growing back off: the standbys' promotions are cancelled (their agents stop
+them), the job stays in its shrunk generation and ends shrunk, and the summary keeps no
+interruption for it.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
-from mover_plugin.contract import SWITCH
-from mover_plugin.generations import Replacement
+from mover_plugin.contract import GROW_PLAN, SWITCH
+from mover_plugin.generations import Membership, Replacement, plan_return
 from mover_plugin.launch.context import Context, Event, EventHandler, Unit
 from mover_plugin.launch.recovery import HANDLED, Claim
 from mover_plugin.launch.summary import Interruption
-from mover_plugin.shrink import GROW, plan_grow
+from mover_plugin.shrink import plan_grow
 
 logger = logging.getLogger(__name__)
 
-GROWTH = "grow"
+GROWTH = GROW_PLAN
 """The kind (and recovery) of the summary's interruption for growing back."""
 
 
@@ -44,8 +46,8 @@ class GrowBack(Unit):
 
     def __init__(self, ctx: Context) -> None:
         self._ctx = ctx
-        self._growing: list[Replacement] = []
-        """The standbys of the growing back under way."""
+        self._growing: Optional[_Growing] = None
+        """The growing back under way (of the current attempt)."""
         self._abandoned: set[str] = set()
         """The standbys of a growing back that was called off."""
 
@@ -58,7 +60,7 @@ class GrowBack(Unit):
     def on_resumed(self, item: Interruption) -> None:
         """Training runs again: a grow back is complete, or one may start now."""
         if item.kind == GROWTH:
-            self._growing = []
+            self._growing = None
             self._ctx.attempt.shrunk = None
             self._ctx.record("grown", "grow", generation=item.generation,
                              downtime_s=item.downtime_s)
@@ -71,18 +73,18 @@ class GrowBack(Unit):
         has a standby for every lost rank; returns the new generation, or None."""
         ctx = self._ctx
         shrunk = ctx.attempt.shrunk
-        if shrunk is None or ctx.interrupted() or len(ctx.attempt.pool) < len(shrunk["lost"]):
+        if shrunk is None or ctx.interrupted() or self._current() is not None:
             return None
         layout, spec = ctx.layout(), ctx.template_spec()
         assert layout is not None and spec is not None, "a shrunk job published both"
+        before = _Growing(ctx.attempt.number, ctx.job.generation, ctx.job.membership,
+                          dict(ctx.job.node_of_rank))
+        plan = plan_return(shrunk["lost"], ctx.attempt.pool, ctx.job.node_of_rank)
+        if plan is None:
+            return None
         job, moves = plan_grow(shrunk, layout, spec)
-        plan = []
-        for rank in shrunk["lost"]:
-            taken = ctx.attempt.pool.take(avoid_node=None)
-            assert taken is not None
-            plan.append(Replacement(rank, taken[0], twin=-1, node=taken[1]))
         ctx.job.membership = ctx.job.membership.next_generation(plan)
-        old = ctx.plan_generation({"kind": GROW, "world_size": ctx.config.world_size,
+        old = ctx.plan_generation({"kind": GROW_PLAN, "world_size": ctx.config.world_size,
                                    "replacements": [vars(item) for item in plan],
                                    "survivors": shrunk["survivors"],
                                    "moves": [list(move) for move in moves],
@@ -96,7 +98,8 @@ class GrowBack(Unit):
         ctx.summary.interruptions.append(item)
         ctx.job.interruption = item
         ctx.promote(plan, migration=False)
-        self._growing = plan
+        before.plan, before.interruption = plan, item
+        self._growing = before
         ctx.notify(old, SWITCH)
         ctx.record("grow", "grow", when=now, ranks=item.ranks,
                    standbys=[r.standby for r in plan], plan=job.describe(), moved=len(moves))
@@ -108,21 +111,51 @@ class GrowBack(Unit):
     # -- as a coordinator of the crash recovery ---------------------------------------------
 
     def rank_finished(self, rank: int) -> None:
-        """A survivor that finished training will not switch: the growing back is off."""
-        if self._growing and rank not in {item.rank for item in self._growing}:
-            self._abandon(f"rank {rank} finished training before the switch")
+        """A survivor finished training before any rank switched: the growing back is off
+        (once one has switched, all will: the survivors agreed in the same iteration)."""
+        growing = self._current()
+        if growing is not None and rank not in {item.rank for item in growing.plan} and (
+                not self._ctx.generation.switched):
+            self._abandon(growing, f"rank {rank} finished training before the switch")
 
     def claim_failure(self, event: Event, *, leaver: bool) -> Claim:
         """A standby of a growing back that was called off exits: nothing to recover."""
         return HANDLED if event.get("standby") in self._abandoned else None
 
-    def _abandon(self, why: str) -> None:
+    def _current(self) -> Optional["_Growing"]:
+        """The growing back under way, if it belongs to the current attempt (a restart
+        forgets it)."""
+        growing = self._growing
+        if growing is not None and growing.attempt != self._ctx.attempt.number:
+            self._growing = growing = None
+        return growing
+
+    def _abandon(self, growing: "_Growing", why: str) -> None:
+        """The standbys are stopped, and the job stays in its shrunk generation (the planned
+        one is skipped: its namespace is never reused)."""
         ctx = self._ctx
-        for item in self._growing:
+        for item in growing.plan:
             ctx.post({"op": "cancel_promotion", "standby": item.standby, "rank": item.rank})
             self._abandoned.add(item.standby)
-        ctx.record("grow_abandoned", "grow", ranks=[item.rank for item in self._growing],
+        ctx.job.membership, ctx.job.node_of_rank = growing.membership, growing.node_of_rank
+        ctx.restore_generation(growing.generation)
+        if ctx.job.interruption is growing.interruption:
+            ctx.job.interruption = None
+        ctx.summary.interruptions.remove(growing.interruption)
+        ctx.record("grow_abandoned", "grow", ranks=[item.rank for item in growing.plan],
                    reason=why)
         logger.warning("growing back called off: %s", why)
-        self._growing = []
-        ctx.job.interruption = None
+        self._growing = None
+
+
+@dataclass
+class _Growing:
+    """A growing back under way, and what it changed in the controller's view of the job."""
+
+    attempt: int
+    generation: int
+    """The shrunk generation it leaves."""
+    membership: Membership
+    node_of_rank: dict[int, int]
+    plan: list[Replacement] = field(default_factory=list)
+    interruption: Optional[Interruption] = None

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
 from mover_plugin.contract import (
+    MIGRATION_PLAN,
     SWITCH_CANCEL,
     SWITCH_GO,
     request_done_key,
@@ -112,7 +113,7 @@ class Migrations(Unit):
         ctx, now = self._ctx, time.time()
         before = (ctx.job.membership, dict(ctx.job.node_of_rank))
         ctx.job.membership = ctx.job.membership.next_generation(plan)
-        old = ctx.plan_generation({"world_size": ctx.config.world_size, "kind": "migration",
+        old = ctx.plan_generation({"world_size": ctx.config.world_size, "kind": MIGRATION_PLAN,
                                    "replacements": [vars(item) for item in plan],
                                    "fault": fault}, link=False)
         interruption = Interruption(kind="migration", rank=plan[0].rank, step=0, how="planned",

@@ -166,8 +166,11 @@ class OperatorRequests(Unit):
         detector = self._slow_ranks
         if detector is None:
             return None
-        if self._migrations.current is not None or self._ctx.interrupted():
-            detector.reset()  # the job is being changed: judge it again afterwards
+        if (self._migrations.current is not None or self._ctx.interrupted()
+                or self._ctx.attempt.shrunk is not None):
+            # The job is being changed, or trains on unequal pipelines (whose ranks differ in
+            # work by design): judge it again once it runs its own layout.
+            detector.reset()
             return None
         slow = detector.observe(event["step"], {int(r): b for r, b in event["ranks"].items()})
         if slow is None:

@@ -115,27 +115,36 @@ class CrashRecovery(Unit):
             self._ctx.record("fallback", "fallback", rank=rank, reason=reason)
             logger.error("%s; following the restart path", reason)
         elif self._ctx.config.policy == "resilient":
-            unfinished = self._unfinished_joiners()
-            plan = plan_recovery(lost, self._ctx.layout(), self._ctx.attempt.pool,
-                                 self._ctx.job.node_of_rank,
-                                 carried=[item for item in unfinished if item.rank not in lost])
-            if self._ctx.attempt.shrunk is not None:
-                plan = Fallback("a rank was lost while the job trains on pipeline templates "
-                                "(a second shrink, and growing back, are not supported yet)")
-            if not isinstance(plan, Fallback):
-                self._switch_generation(plan, interruption, lost, rebuild_all=bool(unfinished))
+            plan = self._plan_in_place(lost, interruption)
+            if plan is None:
                 return None
-            spec = self._ctx.template_spec()
-            if spec is not None and not unfinished and self._ctx.attempt.shrunk is None:
-                shrink = plan_shrink(lost, self._ctx.layout(), spec)
-                if isinstance(shrink, ShrinkPlan):
-                    self._shrink(shrink, interruption, lost, why=plan.reason)
-                    return None
-                logger.warning("cannot shrink onto pipeline templates: %s", shrink.reason)
-                plan = Fallback(f"{plan.reason}; {shrink.reason}")
             self._ctx.record("fallback", "fallback", rank=rank, reason=plan.reason)
             logger.warning("falling back to a restart: %s", plan.reason)
         return self._restart(interruption)
+
+    def _plan_in_place(self, lost: list[int],
+                       interruption: Interruption) -> Optional[Fallback]:
+        """Recovers in the running job (standbys, or else a shrink onto pipeline templates);
+        returns the reason it cannot, for the restart."""
+        if self._ctx.attempt.shrunk is not None:  # before any standby is taken from the pool
+            return Fallback("a rank was lost while the job trains on pipeline templates or "
+                            "grows back from them")
+        unfinished = self._unfinished_joiners()
+        plan = plan_recovery(lost, self._ctx.layout(), self._ctx.attempt.pool,
+                             self._ctx.job.node_of_rank,
+                             carried=[item for item in unfinished if item.rank not in lost])
+        if not isinstance(plan, Fallback):
+            self._switch_generation(plan, interruption, lost, rebuild_all=bool(unfinished))
+            return None
+        spec = self._ctx.template_spec()
+        if spec is None or unfinished:
+            return plan
+        shrink = plan_shrink(lost, self._ctx.layout(), spec)
+        if isinstance(shrink, ShrinkPlan):
+            self._shrink(shrink, interruption, lost, why=plan.reason)
+            return None
+        logger.warning("cannot shrink onto pipeline templates: %s", shrink.reason)
+        return Fallback(f"{plan.reason}; {shrink.reason}")
 
     def _shrink(self, plan: ShrinkPlan, interruption: Interruption, lost: list[int], *,
                 why: str) -> None:

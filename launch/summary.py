@@ -60,7 +60,8 @@ class Interruption:
     plan: Optional[str] = None
     """For a ``shrink``: the survivors' pipelines, e.g. ``[0 2] layers 0-2|3 x 2 + [1]
     layers 0-3 x 2`` (each pipeline's ranks in the new world, layers per stage, and
-    micro-batches of the global batch)."""
+    micro-batches of the global batch); for a ``grow``, the job's own layout in the same
+    form."""
     generation: int = 0
     ranks: list[int] = field(default_factory=list)
     """Every rank the interruption took (``[rank]`` unless a host loss or a migration took

@@ -132,6 +132,15 @@ SWITCH = "switch"
 """Switch to the migration's generation at the next iteration boundary."""
 NOTICE_KINDS = (ALARM, PREPARE, SWITCH)
 
+# -- the kinds of a generation's plan (``gen{g}/plan``'s ``kind``; none: a crash's replacements) --
+
+MIGRATION_PLAN = "migration"
+"""Standbys take ranks that leave (a planned migration)."""
+SHRINK_PLAN = "shrink"
+"""No standby was ready: the survivors form a world of their own on pipeline templates."""
+GROW_PLAN = "grow"
+"""A shrunk job returns to its own layout, standbys taking the lost ranks."""
+
 
 def encode_notice(notice: dict[str, Any]) -> bytes:
     """One notice as the line the agent writes into a worker's notice pipe."""

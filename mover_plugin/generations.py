@@ -164,6 +164,21 @@ def plan_migration(ranks: Sequence[int], pool: StandbyPool, node_of_rank: dict[i
             _take_standbys(sorted(set(ranks)), pool, node_of_rank, strict=leave_hosts)]
 
 
+NO_TWIN = -1
+"""The ``twin`` of a replacement whose state comes from no single rank (growing back: every
+layer from the survivor that holds it, :func:`mover_plugin.shrink.plan_grow`)."""
+
+
+def plan_return(ranks: Sequence[int], pool: StandbyPool,
+                node_of_rank: dict[int, int]) -> Optional[list[Replacement]]:
+    """Standbys for ``ranks`` coming back into a shrunk job (placed as a crash's are), or None
+    when the pool has too few."""
+    if len(pool) < len(set(ranks)):
+        return None
+    return [Replacement(rank, standby, NO_TWIN, node) for rank, (standby, node) in
+            _take_standbys(sorted(set(ranks)), pool, node_of_rank, strict=False)]
+
+
 def _take_standbys(ranks: list[int], pool: StandbyPool, node_of_rank: dict[int, int], *,
                    strict: bool) -> list[tuple[int, tuple[str, int]]]:
     """A standby for each of ``ranks`` (the pool has enough). The ranks of one host go to one

@@ -31,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence, Union
 
+from mover_plugin.contract import SHRINK_PLAN
 from mover_plugin.generations import Fallback
 from mover_plugin.layout import ParallelLayout
 from mover_plugin.placement import Placement, PlacementError, transfers
@@ -43,10 +44,6 @@ from mover_plugin.templates import (
     transformer_profile,
 )
 
-SHRINK = "shrink"
-"""The ``kind`` of a shrink generation's plan record."""
-GROW = "grow"
-"""The ``kind`` of the plan record of a generation that grows back to the job's own layout."""
 
 
 @dataclass(frozen=True)
@@ -101,8 +98,8 @@ class ShrinkPlan:
     and receives them."""
 
     def to_record(self, lost: Sequence[int]) -> dict[str, Any]:
-        """The generation's plan record (``kind`` :data:`SHRINK`)."""
-        return {"kind": SHRINK, "world_size": len(self.survivors), "lost": sorted(lost),
+        """The generation's plan record (``kind`` :data:`~mover_plugin.contract.SHRINK_PLAN`)."""
+        return {"kind": SHRINK_PLAN, "world_size": len(self.survivors), "lost": sorted(lost),
                 "survivors": list(self.survivors), "placement": self.placement.to_record(),
                 "moves": [list(move) for move in self.moves],
                 "describe": self.placement.describe()}
@@ -124,7 +121,8 @@ def plan_shrink(lost: Sequence[int], layout: Optional[ParallelLayout],
         return Fallback("the parallel layout is unknown (the workers did not publish it)")
     if layout.tp != 1:
         return Fallback(f"pipeline templates need tensor-parallel size 1, not {layout.tp}")
-    survivors = tuple(rank for rank in range(layout.world_size) if rank not in set(lost))
+    gone = set(lost)
+    survivors = tuple(rank for rank in range(layout.world_size) if rank not in gone)
     try:
         templates = plan_templates(spec.planner_profile(), layout.pp)
         plan = _instantiation(templates, len(survivors), spec.microbatches,

@@ -492,10 +492,29 @@ def test_a_survivor_that_finishes_before_the_switch_calls_the_growing_back_off(t
     assert {"op": "cancel_promotion", "standby": refill["standby"], "rank": 1} in job.commands()
     (abandoned,) = job.log("grow_abandoned")
     assert abandoned["ranks"] == [1] and "rank 0 finished training" in abandoned["reason"]
+    # the job stays in its shrunk generation, without rank 1, and the summary keeps only the
+    # shrink
+    assert job.key(CURRENT_GENERATION_KEY) == "1"
+    assert sorted(job.controller._ctx.job.membership.members) == [0, 2, 3]
+    (shrink,) = job.controller.summary.to_dict()["interruptions"]
+    assert shrink["recovery"] == "shrink"
     # the standby, stopped or failing on its own, is no failure of the job
     job.exit(1, standby=refill["standby"], when=T0 + 22.0)
     assert job.poll() is None
     assert job.log("fallback") == [] and job.commands() == []
+
+
+def test_a_survivor_that_finishes_after_the_switch_keeps_the_growing_back(tmp_path):
+    job, refill = shrunk_and_refilled(tmp_path)
+    job.agent(0, "standby_ready", standby=refill["standby"], time=T0 + 20.0)
+    job.poll()
+    job.commands()
+    job.generation = 2
+    job.worker("switched", rank=0, role="survivor", time=T0 + 21.0, boundary_end=T0 + 20.5)
+    job.exit(2, returncode=0, how="exit code 0", when=T0 + 21.5)  # its last step came first
+    job.poll()
+    assert job.log("grow_abandoned") == [] and job.commands() == []
+    assert job.key(CURRENT_GENERATION_KEY) == "2"
 
 
 def test_a_loss_no_template_plan_covers_falls_back_with_both_reasons(tmp_path):

@@ -1,12 +1,14 @@
 """Pure tests of the recovery decision, the standby pool and membership."""
 
 from mover_plugin.generations import (
+    NO_TWIN,
     Fallback,
     Membership,
     Replacement,
     StandbyPool,
     plan_migration,
     plan_recovery,
+    plan_return,
 )
 from mover_plugin.layout import ParallelLayout
 
@@ -119,3 +121,15 @@ def test_no_standby_is_taken_when_a_rank_has_no_twin():
     layout = ParallelLayout.for_world(4, tp=1, pp=2)
     assert isinstance(plan_recovery([0, 1], layout, pool), Fallback)
     assert len(pool) == 2
+
+
+def test_ranks_coming_back_into_a_shrunk_job_take_standbys_of_one_host_together():
+    pool = StandbyPool()
+    pool.add("a0.n0.r0", 0)
+    pool.add("a0.n2.s0", 2)
+    pool.add("a0.n2.s1", 2)
+    assert plan_return([0, 1, 2, 3], pool, {0: 0, 1: 0, 2: 1, 3: 1}) is None  # four, three ready
+    assert len(pool) == 3  # nothing taken
+    plan = plan_return([1, 0], pool, {0: 0, 1: 0})
+    assert plan == [Replacement(0, "a0.n2.s0", NO_TWIN, 2), Replacement(1, "a0.n2.s1", NO_TWIN, 2)]
+    assert len(pool) == 1

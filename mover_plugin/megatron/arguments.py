@@ -253,21 +253,24 @@ def _check_resilience(args: argparse.Namespace) -> None:
 
 
 def _check_templates(args: argparse.Namespace) -> None:
-    """``--resilient-fault-tolerance F`` asks for F + 1 pipelines when the job shrinks onto
-    pipeline templates: at least one host (rank) each, and a micro-batch each. With
+    """``--resilient-fault-tolerance F`` asks for F + 1 pipelines when a ``--resilient`` job of
+    tensor-parallel size 1 shrinks onto pipeline templates: at least one rank (a host of the
+    planner) each, and a micro-batch each. With
     ``--resilient-template-profile``, the profile must describe this model, fit some host
     count, and leave a plan after losing up to F hosts (``args.template_profile`` is then its
     record for the planner)."""
+    args.template_profile = None
+    if not args.resilient or args.tensor_model_parallel_size != 1:
+        return  # such a job never shrinks onto templates
     tolerance = args.resilience.fault_tolerance
-    hosts = args.world_size // args.tensor_model_parallel_size
+    stages = args.world_size  # one rank per pipeline stage (tensor-parallel size 1)
     microbatches = args.global_batch_size // args.micro_batch_size
-    if hosts > 1 and tolerance + 1 > min(hosts, microbatches):
+    if stages > 1 and tolerance + 1 > min(stages, microbatches):
         raise ConfigError(
             f"--resilient-fault-tolerance {tolerance} is too large: it needs {tolerance + 1} "
-            f"pipelines, but the job has {hosts} hosts of tensor-parallel size "
-            f"{args.tensor_model_parallel_size} and {microbatches} micro-batches per global "
-            f"batch; give at most {min(hosts, microbatches) - 1}")
-    args.template_profile = None
+            f"pipelines of at least one rank and one micro-batch each, but the job has "
+            f"{stages} ranks and {microbatches} micro-batches per global batch; give at most "
+            f"{min(stages, microbatches) - 1}")
     path = getattr(args, "resilient_template_profile", None)
     if path is None:
         return
@@ -279,8 +282,8 @@ def _check_templates(args: argparse.Namespace) -> None:
             f"has {expected} (the embedding, {args.num_layers} transformer layers, the output "
             "layer)")
     try:
-        check_fault_tolerance(plan_templates(profile, args.pipeline_model_parallel_size), hosts,
-                              microbatches, tolerance)
+        check_fault_tolerance(plan_templates(profile, args.pipeline_model_parallel_size),
+                              stages, microbatches, tolerance)
     except PlanningError as error:
         raise ConfigError(f"--resilient-template-profile {path}: {error}") from None
     args.template_profile = profile_record(profile)

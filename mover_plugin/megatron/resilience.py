@@ -50,9 +50,10 @@ Otherwise every rank, the joiner included, rolls back in place to the last check
 restarting it: the survivors train on pipeline templates, and grow back to the job's own layout
 once standbys are ready (:mod:`mover_plugin.megatron.shrunk_training`).
 
-Limitations: a lost rank needs a live data-parallel twin (otherwise the controller falls back
-to the restart baseline, or shrinks when the script enabled templates); every group uses the ``mover`` backend, so Megatron's extra gloo
-groups are not created (``--resilient`` implies ``--disable-gloo-process-groups``).
+Limitations: a lost rank needs a live data-parallel twin (otherwise the controller falls back to
+the restart baseline, or shrinks when the script enabled templates); every group uses the
+``mover`` backend, so Megatron's extra gloo groups are not created (``--resilient`` implies
+``--disable-gloo-process-groups``).
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ from mover_plugin.megatron.standby import (
     parallel_layout,
     warm_up,
 )
-from mover_plugin.megatron.template_training import StageRecipe, StageState
+from mover_plugin.megatron.template_training import StageRecipe, StageState, load_schedule
 from mover_plugin.progress import ProgressReporter
 from mover_plugin.runtime.adapter import Continuation, Transfer
 from mover_plugin.runtime.handover import module_state_tensors
@@ -313,7 +314,10 @@ class MegatronResilience:
 
     def continue_after_growth(self, plan: dict[str, Any]) -> int:
         assert self._shrunk is not None
-        self._agree_on_iteration(contribute=True)
+        target = self._agree_on_iteration(contribute=True)
+        if target != self.runtime.ledger.applied:
+            raise LaunchError(f"rank {self.runtime.rank} completed {self.runtime.ledger.applied} "
+                              f"iterations but the job grows back at {target}")
         trainer = self._shrunk.trainer
         schedule, received = move_back(plan, self.runtime.rank, trainer.state, self._job_state(),
                                        trainer.scheduler.state_dict())
@@ -336,9 +340,7 @@ class MegatronResilience:
                                    tied=not self.args.untie_embeddings_and_output_weights)
 
     def _load_schedule(self, state: dict[str, Any]) -> None:
-        # Megatron-Core's scheduler loads its state by stepping on from where it is.
-        self._scheduler.num_steps = 0
-        self._scheduler.load_state_dict(state)
+        load_schedule(self._scheduler, state)
 
     def continue_as_joiner(self) -> Continuation:
         if self._sharded:

@@ -370,8 +370,15 @@ class StageTrainer:
 
     def take_scheduler_state(self, state: dict[str, Any]) -> None:
         """The learning-rate schedule where the job's was."""
-        self.scheduler.num_steps = 0
-        self.scheduler.load_state_dict(state)
+        load_schedule(self.scheduler, state)
+
+
+def load_schedule(scheduler: Any, state: dict[str, Any]) -> None:
+    """Puts a Megatron-Core ``OptimizerParamScheduler`` where ``state`` says. It loads by
+    stepping on from where it is, so it starts from zero (a warmed-up standby's has stepped in
+    its shadow iterations)."""
+    scheduler.num_steps = 0
+    scheduler.load_state_dict(state)
 
 
 def ensure_megatron_globals() -> None:

@@ -66,6 +66,7 @@ from mover_plugin.comm.delta import (
 )
 from mover_plugin.comm.work import waited_s
 from mover_plugin.comm.world import WorldOptions
+from mover_plugin.contract import GROW_PLAN, MIGRATION_PLAN, SHRINK_PLAN
 from mover_plugin.errors import LaunchError
 from mover_plugin.layout import ParallelLayout
 from mover_plugin.progress import ProgressReporter
@@ -80,7 +81,6 @@ from mover_plugin.runtime.migration import MigrationParticipant
 from mover_plugin.runtime.notices import NoticeWatcher
 from mover_plugin.runtime.rewire import rewire, rewire_module_globals
 from mover_plugin.runtime.settings import ResilienceSettings
-from mover_plugin.shrink import GROW, SHRINK
 
 logger = logging.getLogger(__name__)
 
@@ -163,8 +163,8 @@ class ResilienceRuntime:
         self.control.generation = self.progress.generation = self.generation
         plan = self.control.wait_for_plan(self.generation)
         self.joiner_of = next(r for r in plan["replacements"] if r["rank"] == self.rank)
-        self._joining_migration = plan.get("kind") == "migration"
-        self._joining_growth = plan if plan.get("kind") == GROW else None
+        self._joining_migration = plan.get("kind") == MIGRATION_PLAN
+        self._joining_growth = plan if plan.get("kind") == GROW_PLAN else None
         self.faults.arm(plan.get("fault"))
         os.environ["RANK"] = str(self.rank)
         logger.warning("standby %s promoted to rank %d in generation %d",
@@ -470,7 +470,7 @@ class ResilienceRuntime:
             self.progress.generation = self.generation
             try:
                 with cancel_when(self._superseded):
-                    if plan.get("kind") == SHRINK:
+                    if plan.get("kind") == SHRINK_PLAN:
                         continuation, replaced = self._shrink_in(plan, snapshot), 0
                     elif self._replacement_in(plan) is not None:
                         return self._rejoin(plan, started)
