@@ -321,14 +321,14 @@ class MegatronResilience:
         trainer = self._shrunk.trainer
         schedule, received = move_back(plan, self.runtime.rank, trainer.state, self._job_state(),
                                        trainer.scheduler.state_dict())
-        self._load_schedule(schedule)
+        load_schedule(self._scheduler, schedule)
         self._shrunk = None
         return received
 
     def join_after_growth(self, plan: dict[str, Any]) -> Continuation:
         target = self._agree_on_iteration(contribute=False)
         schedule, received = move_back(plan, self.runtime.rank, None, self._job_state(), None)
-        self._load_schedule(schedule)
+        load_schedule(self._scheduler, schedule)
         forget_agreed_flags(self._optimizer)
         self.runtime.ledger.applied = target
         return Continuation(target, received_bytes=received)
@@ -338,9 +338,6 @@ class MegatronResilience:
         return StageState.of_model(self._model.module, self._optimizer,
                                    job_first_layer(self.args, self.runtime.rank),
                                    tied=not self.args.untie_embeddings_and_output_weights)
-
-    def _load_schedule(self, state: dict[str, Any]) -> None:
-        load_schedule(self._scheduler, state)
 
     def continue_as_joiner(self) -> Continuation:
         if self._sharded:
@@ -505,7 +502,7 @@ class MegatronResilience:
     def load_state(self, state: dict[str, Any], transfer: Transfer) -> None:
         self._optimizer.load_state_dict(state["optimizer"])
         restore_step_counters(self._optimizer)
-        self._load_schedule(state["scheduler"])  # a warmed-up standby's has stepped
+        load_schedule(self._scheduler, state["scheduler"])  # a warmed-up standby's has stepped
         forget_agreed_flags(self._optimizer)
 
 
