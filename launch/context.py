@@ -36,6 +36,7 @@ from mover_plugin.contract import (
     TEMPLATES_KEY,
     plan_key,
     promotion_key,
+    stage_profile_key,
     successor_key,
 )
 from mover_plugin.generations import Membership, Replacement, StandbyPool
@@ -46,6 +47,7 @@ from mover_plugin.launch.summary import Interruption, RunSummary
 from mover_plugin.layout import ParallelLayout
 from mover_plugin.mailbox import Mailbox
 from mover_plugin.shrink import TemplateSpec
+from mover_plugin.templates import PlanningError
 
 logger = logging.getLogger(__name__)
 
@@ -221,7 +223,21 @@ class Context:
         cannot (or its workers have not trained yet)."""
         if not self.store.check([TEMPLATES_KEY]):
             return None
-        return TemplateSpec.of_record(json.loads(self.store.get(TEMPLATES_KEY)))
+        spec = TemplateSpec.of_record(json.loads(self.store.get(TEMPLATES_KEY)))
+        layout = self.layout()
+        if spec.profile is not None or layout is None:
+            return spec
+        keys = [stage_profile_key(stage) for stage in range(layout.pp)]
+        if not self.store.check(keys):
+            logger.warning("not every pipeline stage measured its layers: the pipeline "
+                           "templates are planned from a GPT-like estimate")
+            return spec
+        try:
+            return spec.with_measured([json.loads(self.store.get(key)) for key in keys])
+        except PlanningError as error:
+            logger.warning("the stages' measured profile is not the model's (%s): the pipeline "
+                           "templates are planned from a GPT-like estimate", error)
+            return spec
 
     def interrupted(self) -> bool:
         """Whether an interruption is in progress or a restart under way."""

@@ -35,7 +35,7 @@ from mover_plugin.launch.attempts import Attempts
 from mover_plugin.launch.context import Context, Event, EventHandler, Unit
 from mover_plugin.launch.summary import Interruption
 from mover_plugin.launch.timing import InterruptionTiming, note_last_step
-from mover_plugin.shrink import ShrinkPlan, plan_shrink
+from mover_plugin.shrink import ShrinkPlan, TemplateSpec, plan_shrink
 
 logger = logging.getLogger(__name__)
 
@@ -141,14 +141,15 @@ class CrashRecovery(Unit):
             return plan
         shrink = plan_shrink(lost, self._ctx.layout(), spec)
         if isinstance(shrink, ShrinkPlan):
-            self._shrink(shrink, interruption, lost, why=plan.reason)
+            self._shrink(shrink, spec, interruption, lost, why=plan.reason)
             return None
         logger.warning("cannot shrink onto pipeline templates: %s", shrink.reason)
         return Fallback(f"{plan.reason}; {shrink.reason}")
 
-    def _shrink(self, plan: ShrinkPlan, interruption: Interruption, lost: list[int], *,
-                why: str) -> None:
-        """Starts the survivors' generation on pipeline templates (``why``: no standby)."""
+    def _shrink(self, plan: ShrinkPlan, spec: TemplateSpec, interruption: Interruption,
+                lost: list[int], *, why: str) -> None:
+        """Starts the survivors' generation on pipeline templates, planned from ``spec``
+        (``why``: no standby). The event log keeps the profile the plan came from."""
         ctx = self._ctx
         record = plan.to_record(lost)
         ctx.attempt.shrunk = record
@@ -166,10 +167,11 @@ class CrashRecovery(Unit):
         for listener in self._slots_freed:  # the lost ranks' slots: refills grow it back
             listener([ctx.job.node_of_rank[rank] for rank in lost])
         ctx.record("shrink", "switch", when=now, lost=lost, survivors=record["survivors"],
-                   plan=record["describe"], moved=len(plan.moves), reason=why)
+                   plan=record["describe"], moved=len(plan.moves), reason=why,
+                   profile_source=spec.profile_source, profile=spec.profile)
         logger.warning("generation %d: ranks %s go on without rank(s) %s on pipeline templates "
-                       "%s (%s)", ctx.job.generation, record["survivors"], lost,
-                       record["describe"], why)
+                       "%s, planned from the %s profile (%s)", ctx.job.generation,
+                       record["survivors"], lost, record["describe"], spec.profile_source, why)
 
     def _lost_ranks(self, event: Event, leaver: bool) -> Optional[list[int]]:
         """The ranks to recover, or None when a coordinator handled the failure."""

@@ -31,6 +31,9 @@ agents and workers post to the controller, each kind with the fields it carries.
 * ``job/layout`` — the parallel layout (JSON ``tp``, ``pp``, ``dp``) published by rank 0;
 * ``job/templates`` — published by rank 0 when the job can train on pipeline templates: what
   the planner needs of its model and batch (JSON, :class:`mover_plugin.shrink.TemplateSpec`);
+* ``job/profile/stage{s}`` — the per-layer costs of pipeline stage ``s`` (JSON, a profile
+  record of its layers), measured by the stage's first rank before its first step when the job
+  trains on pipeline templates without a given profile;
 * the mailboxes (:mod:`mover_plugin.mailbox`): ``commands`` (controller to agents; they include
   the notices to a generation's processes, which the agents relay to their workers), ``events``
   (agents and workers to the controller) and ``requests`` (operator requests: ``mover status``,
@@ -84,6 +87,10 @@ REQUESTS_MAILBOX = "requests"
 
 def generation_prefix(generation: int) -> str:
     return f"gen{generation}"
+
+
+def stage_profile_key(stage: int) -> str:
+    return f"job/profile/stage{stage}"
 
 
 def plan_key(generation: int) -> str:

@@ -3,8 +3,10 @@ generation on pipeline templates (pure, no torch).
 
 A job that can train on pipeline templates says so at its start: its first rank publishes a
 :class:`TemplateSpec` (the model's transformer layer count, whether the output layer shares
-the word embedding, the global batch in micro-batches, and a per-layer profile when one was
-measured). When the controller cannot give a lost rank a standby, :func:`plan_shrink` plans
+the word embedding, the global batch in micro-batches, and the per-layer profile given with
+``--resilient-template-profile`` when there is one). Without one, the first rank of every
+pipeline stage measures its stage's layers before the first step and publishes them; the
+controller puts them together (:func:`assemble_profile`) when it plans. When the controller cannot give a lost rank a standby, :func:`plan_shrink` plans
 the survivors' generation from it:
 
 - the survivors form a world of their own, numbered in the order of their job ranks (their
@@ -28,7 +30,7 @@ holder of which was lost) is a :class:`~mover_plugin.generations.Fallback` with 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Optional, Sequence, Union
 
 from mover_plugin.contract import SHRINK_PLAN
@@ -60,17 +62,31 @@ class TemplateSpec:
     profile: Optional[dict[str, Any]] = None
     """A measured per-layer profile (:func:`profile_record`); None: the synthetic GPT-like
     one (:func:`~mover_plugin.templates.transformer_profile`)."""
+    profile_source: str = "estimate"
+    """Where :attr:`profile` came from: ``given`` (``--resilient-template-profile``),
+    ``measured`` (by the job's stages at its start), or ``estimate`` (none: the GPT-like one)."""
 
     @classmethod
     def of_record(cls, record: Mapping[str, Any]) -> "TemplateSpec":
+        profile = record.get("profile")
         return cls(int(record["num_layers"]), bool(record["tied"]),
                    int(record["microbatches"]), int(record.get("fault_tolerance", 1)),
-                   record.get("profile"))
+                   profile, str(record.get("profile_source",
+                                           "estimate" if profile is None else "given")))
 
     def to_record(self) -> dict[str, Any]:
         return {"num_layers": self.num_layers, "tied": self.tied,
                 "microbatches": self.microbatches, "fault_tolerance": self.fault_tolerance,
-                "profile": self.profile}
+                "profile": self.profile, "profile_source": self.profile_source}
+
+    def with_measured(self, stages: Sequence[Mapping[str, Any]]) -> "TemplateSpec":
+        """This spec planning from the profile its stages measured (their records, in stage
+        order), when it has no given one; raises :class:`PlanningError` when they do not
+        make the model's profile."""
+        if self.profile is not None:
+            return self
+        return replace(self, profile=assemble_profile(stages, self.num_layers),
+                       profile_source="measured")
 
     def planner_profile(self) -> Profile:
         if self.profile is None:
@@ -83,6 +99,21 @@ def profile_record(profile: Profile) -> dict[str, Any]:
     """``profile`` as JSON-able data (:attr:`TemplateSpec.profile`)."""
     return {"host_memory_bytes": profile.host_memory_bytes,
             "layers": [vars(layer) for layer in profile.layers]}
+
+
+def assemble_profile(stages: Sequence[Mapping[str, Any]], num_layers: int) -> dict[str, Any]:
+    """The model's profile record from its pipeline stages' (:func:`profile_record` of each
+    stage's parts, in stage order): their layers one after the other, and the smallest host
+    memory. Raises :class:`PlanningError` unless the layers are the embedding, the
+    ``num_layers`` transformer layers and the output layer, in order."""
+    layers = [layer for stage in stages for layer in stage["layers"]]
+    names = [str(layer["name"]) for layer in layers]
+    expected = ["embedding", *(f"layer {index}" for index in range(num_layers)), "output"]
+    if names != expected:
+        raise PlanningError(f"the stages measured {names}, not the {len(expected)} layers "
+                            f"{expected[0]!r} .. {expected[-1]!r} of the model")
+    return {"host_memory_bytes": min(int(stage["host_memory_bytes"]) for stage in stages),
+            "layers": layers}
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from mover_plugin.contract import (
     promotion_key,
     request_done_key,
     request_reply_key,
+    stage_profile_key,
     standbys_ready_key,
     successor_key,
     switch_decision_key,
@@ -424,6 +425,29 @@ def test_a_crash_without_a_standby_shrinks_onto_pipeline_templates(tmp_path):
     (fallback,) = job.log("fallback")
     assert "while the job trains on pipeline templates" in fallback["reason"]
     assert {"op": "stop", "attempt": 0} in job.commands()
+
+
+@pytest.mark.parametrize("measured_stages", [2, 1])
+def test_a_shrink_plans_from_the_profile_the_stages_measured(tmp_path, measured_stages):
+    """Both stages published their layers' costs: the plan follows them (the first stage's
+    layers are slow, so it keeps fewer); one stage's are missing: the GPT-like estimate."""
+    from test_shrink import slow_first_layers, stage_records
+
+    job = Job(tmp_path, standbys=0)
+    shrinkable(job)
+    records = stage_records(slow_first_layers(), (80 << 30, 80 << 30))
+    for stage, record in enumerate(records[:measured_stages]):
+        job.store.set(stage_profile_key(stage), json.dumps(record))
+    job.exit(1, when=T0 + 5.5)
+    assert job.poll() is None
+    (shrink,) = job.log("shrink")
+    if measured_stages == 2:
+        assert shrink["profile_source"] == "measured"
+        assert shrink["profile"]["layers"] == records[0]["layers"] + records[1]["layers"]
+        assert shrink["plan"] == "[0 1] layers 0-1|2-3 x 2 + [2] layers 0-3 x 2"
+    else:
+        assert shrink["profile_source"] == "estimate" and shrink["profile"] is None
+        assert shrink["plan"] == "[0 1] layers 0-2|3 x 2 + [2] layers 0-3 x 2"
 
 
 def shrunk_and_refilled(tmp_path: Path) -> tuple["Job", dict[str, Any]]:

@@ -1,6 +1,7 @@
 """The shrink decision (mover_plugin.shrink): the survivors' plan, without processes."""
 
 import itertools
+from dataclasses import replace
 
 import pytest
 
@@ -14,7 +15,7 @@ from mover_plugin.shrink import (
     plan_shrink,
     profile_record,
 )
-from mover_plugin.templates import transformer_profile
+from mover_plugin.templates import PlanningError, Profile, transformer_profile
 
 PP2_DP2 = ParallelLayout(tp=1, pp=2, dp=2)
 SPEC = TemplateSpec(num_layers=4, tied=True, microbatches=4)
@@ -104,6 +105,49 @@ def test_records_round_trip():
     assert renamed.describe() == plan.placement.describe().replace("[0 1]", "[4 5]").replace(
         "[2]", "[7]")
     measured = TemplateSpec(4, False, 4, fault_tolerance=2,
-                            profile=profile_record(transformer_profile(4)))
+                            profile=profile_record(transformer_profile(4)),
+                            profile_source="given")
     assert TemplateSpec.of_record(measured.to_record()) == measured
     assert measured.planner_profile() == transformer_profile(4)
+
+
+def stage_records(profile: Profile, memories: tuple[int, int]) -> list[dict]:
+    """``profile`` as two pipeline stages measured it: the embedding and layers 0-1, then
+    layers 2-3 and the output layer."""
+    return [profile_record(Profile(profile.layers[:3], memories[0])),
+            profile_record(Profile(profile.layers[3:], memories[1]))]
+
+
+def test_the_profile_the_stages_measured_is_the_models():
+    gib = 1 << 30
+    whole = transformer_profile(4)
+    measured = SPEC.with_measured(stage_records(whole, (8 * gib, 6 * gib)))
+    assert measured.profile_source == "measured"
+    assert measured.planner_profile() == Profile(whole.layers, 6 * gib)  # the smaller host
+    assert TemplateSpec.of_record(measured.to_record()) == measured
+    given = replace(SPEC, profile=profile_record(whole), profile_source="given")
+    assert given.with_measured(stage_records(slow_first_layers(), (gib, gib))) is given
+    with pytest.raises(PlanningError, match=r"measured \['embedding', 'layer 0', 'layer 1'\], not the 6 layers"):
+        SPEC.with_measured(stage_records(whole, (gib, gib))[:1])  # the last stage is missing
+    with pytest.raises(PlanningError, match="not the 8 layers"):
+        replace(SPEC, num_layers=6).with_measured(stage_records(whole, (gib, gib)))
+
+
+def slow_first_layers() -> Profile:
+    """The embedding and layers 0-1 take three times a GPT-like layer's time."""
+    estimate = transformer_profile(4)
+    return Profile(tuple(
+        replace(layer, forward_s=3 * layer.forward_s, backward_s=3 * layer.backward_s)
+        if index < 3 else layer for index, layer in enumerate(estimate.layers)),
+        estimate.host_memory_bytes)
+
+
+def test_a_measured_profile_changes_the_plan():
+    estimated = plan_shrink([1], PP2_DP2, SPEC)
+    measured = plan_shrink([1], PP2_DP2, SPEC.with_measured(
+        stage_records(slow_first_layers(), (80 << 30, 80 << 30))))
+    assert isinstance(estimated, ShrinkPlan) and isinstance(measured, ShrinkPlan)
+    assert estimated.placement.describe() == "[0 1] layers 0-2|3 x 2 + [2] layers 0-3 x 2"
+    # the first stage's three slow layers (6.3 layer-times) are its bottleneck; with layer 2
+    # too it would take 7.3, against the estimate's 3.1 for the embedding and layers 0-2
+    assert measured.placement.describe() == "[0 1] layers 0-1|2-3 x 2 + [2] layers 0-3 x 2"

@@ -9,9 +9,10 @@ survivor newly holds (with their Adam state) sent by a live holder. The lost ran
 refilled with a standby (``--refill-delay-s 0``); once it is ready, the survivors switch at an
 iteration boundary back to PP2 x DP2 with the standby in the lost rank's place.
 
-Two jobs: rank 2 (last stage) lost at step 5 of 7, which ends shrunk; rank 1 (first stage) lost
-at step 3 of 400, which grows back (the standby needs about 10 s to start; 400 steps leave
-room). Compared with the same steps without interruption (template_runs.RUN, trained
+Two jobs: rank 2 (last stage) lost at step 5 of 7, which ends shrunk, planned from the profile
+the job's stages measured at its start; rank 1 (first stage) lost at step 3 of 400, which grows
+back (the standby needs about 10 s to start; 400 steps leave room), planned from a GPT-like
+profile given with --resilient-template-profile. Compared with the same steps without interruption (template_runs.RUN, trained
 in-process):
 
 - the loss of every step within 1e-4 relative, as the step lines print it;
@@ -29,9 +30,13 @@ import pytest
 import torch
 
 from gpt_jobs import LAUNCH, losses, read_events
+from mover_plugin.layout import ParallelLayout
+from mover_plugin.megatron.layer_profile import write_profile
 from mover_plugin.megatron.shrunk_training import FINAL_FOLDER
 from mover_plugin.megatron.template_run import train_without_interruption
 from mover_plugin.megatron.template_training import canonical_parameters
+from mover_plugin.shrink import ShrinkPlan, TemplateSpec, plan_shrink
+from mover_plugin.templates import transformer_profile
 from mover_plugin.testing import run_command, run_ranks
 from template_runs import EXAMPLE, RUN, STEPS, step_losses, worst_relative
 
@@ -51,13 +56,14 @@ HIDDEN, HEADS = 32, 4
 GROW_STEPS = 400
 
 
-def shrink_run(tmp_path: Path, injection: str, steps: int, *launcher: str):
+def shrink_run(tmp_path: Path, injection: str, steps: int, launcher: tuple[str, ...] = (),
+               script: tuple[str, ...] = ()):
     summary, events, save = tmp_path / "summary.json", tmp_path / "events.jsonl", tmp_path / "ck"
     result = run_command(
         [*LAUNCH, "--standalone", "--nproc-per-node", "4", "--policy", "resilient",
          "--standbys", "0", "--summary", str(summary), "--event-log", str(events),
          "--stop-grace-s", "2", "--inject-failure", injection, *launcher, str(EXAMPLE),
-         *RUN.argv, "--train-iters", str(steps), "--resilient", "--save", str(save)],
+         *RUN.argv, "--train-iters", str(steps), "--resilient", "--save", str(save), *script],
         timeout_s=300)
     assert result.returncode == 0, result.output[-5000:]
     return result, json.loads(summary.read_text()), read_events(events), save
@@ -72,7 +78,10 @@ def shrunk(tmp_path_factory):
 @pytest.fixture(scope="module")
 def grown(tmp_path_factory):
     """Rank 1 lost at step 3 of GROW_STEPS: the job grows back once a standby is ready."""
-    return shrink_run(tmp_path_factory.mktemp("grow"), "1:3", GROW_STEPS, "--refill-delay-s", "0")
+    folder = tmp_path_factory.mktemp("grow")
+    write_profile(transformer_profile(RUN.num_layers), folder / "profile.json")
+    return shrink_run(folder, "1:3", GROW_STEPS, launcher=("--refill-delay-s", "0"),
+                      script=("--resilient-template-profile", str(folder / "profile.json")))
 
 
 @pytest.fixture(scope="module")
@@ -85,15 +94,29 @@ def test_the_survivors_shrink_in_one_generation_without_a_restart(shrunk):
     rank, step, result, summary, events, _ = shrunk
     assert summary["restarts"] == 0 and summary["steps_completed"] == STEPS
     (interruption,) = summary["interruptions"]
-    check_shrink(interruption, events, rank, step)
+    shrink = check_shrink(interruption, events, rank, step)
+    # planned from what the job's two stages measured of their layers before the first step
+    assert shrink["profile_source"] == "measured"
+    layers = shrink["profile"]["layers"]
+    assert [layer["name"] for layer in layers] == [
+        "embedding", *(f"layer {i}" for i in range(RUN.num_layers)), "output"]
+    for layer in layers:
+        assert layer["forward_s"] > 0 and layer["backward_s"] > 0, layer
+        assert layer["static_bytes"] > 0 and layer["activation_bytes"] > 0, layer
+    spec = TemplateSpec(RUN.num_layers, RUN.tied, RUN.slots, profile=shrink["profile"])
+    plan = plan_shrink([rank], ParallelLayout(tp=1, pp=2, dp=2), spec)
+    assert isinstance(plan, ShrinkPlan) and interruption["plan"] == plan.placement.describe()
     # ranks 0, 1, 3 of the job are 0-2 of the survivors' world: 0 and 3 keep the first and the
-    # last stage as a 2-stage pipeline, 1 trains the whole model alone
-    assert interruption["plan"] == "[0 2] layers 0-2|3 x 2 + [1] layers 0-3 x 2"
+    # last stage as a 2-stage pipeline, 1 trains the whole model alone; where the stages split
+    # and how the micro-batches are shared follow the measured times
+    assert interruption["plan"].startswith("[0 2] layers 0-")
+    assert " + [1] layers 0-3 x " in interruption["plan"]
     assert result.lines_starting("PARAMS_DIGEST") == [
         "PARAMS_DIGEST none: the job ended on pipeline templates"]
 
 
-def check_shrink(interruption: dict, events: list[dict], rank: int, step: int) -> None:
+def check_shrink(interruption: dict, events: list[dict], rank: int, step: int) -> dict:
+    """Checks the shrink's record and events; returns its event."""
     assert interruption["recovery"] == "shrink" and interruption["rank"] == rank
     assert interruption["step"] >= step and interruption["how"] == "signal SIGKILL"
     survivors = sorted({0, 1, 2, 3} - {rank})
@@ -106,13 +129,14 @@ def check_shrink(interruption: dict, events: list[dict], rank: int, step: int) -
                 if e["event"] == "switched" and e["generation"] == interruption["generation"]}
     assert switched == {r: "survivor" for r in survivors}
     assert not [e for e in events if e["event"] in ("fallback", "restart")]
+    return shrink
 
 
 def test_a_ready_standby_grows_the_job_back_at_an_iteration_boundary(grown):
     result, summary, events, _ = grown
     assert summary["restarts"] == 0 and summary["steps_completed"] == GROW_STEPS
     shrink, grow = summary["interruptions"]
-    check_shrink(shrink, events, 1, 3)
+    assert check_shrink(shrink, events, 1, 3)["profile_source"] == "given"
     assert shrink["plan"] == "[0 1] layers 0-2|3 x 2 + [2] layers 0-3 x 2"
     assert grow["kind"] == grow["recovery"] == "grow" and grow["ranks"] == [1]
     assert grow["plan"] == "[0 2] layers 0-1|2-3 x 2 + [1 3] layers 0-1|2-3 x 2"

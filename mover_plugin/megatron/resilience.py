@@ -80,6 +80,7 @@ from mover_plugin.megatron.distributed_optimizer import (
 from mover_plugin.megatron.shrunk_training import (
     ShrunkTraining,
     job_first_layer,
+    measure_own_stage,
     move_back,
     template_spec,
 )
@@ -225,14 +226,22 @@ class MegatronResilience:
         self._publish_template_spec()
 
     def _publish_template_spec(self) -> None:
-        """The first rank of a job that started with it tells the controller whether (and
-        how) the job can shrink onto pipeline templates."""
+        """The first rank of a job that started with a stage recipe tells the controller
+        whether (and how) the job can shrink onto pipeline templates; without a given profile,
+        the first rank of each pipeline stage measures its layers for the planner."""
         runtime = self.runtime
-        if self._recipe is None or runtime.rank != 0 or runtime.joiner_of is not None:
+        if self._recipe is None or runtime.joiner_of is not None:
             return
-        spec = template_spec(self.args, runtime.settings, self._sharded)
-        if spec is not None:
+        spec = template_spec(self.args, runtime.settings, self._sharded,
+                             quiet=runtime.rank != 0)
+        if spec is None:
+            return
+        if runtime.rank == 0:
             runtime.control.publish_templates(spec.to_record())
+        if spec.profile is None:
+            measured = measure_own_stage(self.args, self._model, self._recipe, runtime.rank)
+            if measured is not None:
+                runtime.control.publish_stage_profile(*measured)
 
     def enable_templates(self, recipe: StageRecipe) -> None:
         """Lets the job shrink onto pipeline templates when a rank is lost and no standby is

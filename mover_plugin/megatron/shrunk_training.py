@@ -12,7 +12,9 @@ schedule where the job's was. The script's own model and optimizer rest from the
 iterations run :meth:`ShrunkTraining.step`, which returns what the script's step returns (the
 mean loss over the global batch, the gradient norm).
 
-:func:`template_spec` says whether a job can do this (what its first rank publishes), and
+:func:`template_spec` says whether a job can do this (what its first rank publishes);
+:func:`measure_own_stage` is what the first rank of each pipeline stage measures of its layers
+before the first step, for the planner, when the job was given no profile; and
 :meth:`ShrunkTraining.save_final` writes the parameters a job ends with (each unit once, by
 its canonical name).
 
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -43,6 +46,7 @@ import torch.distributed as dist
 
 from mover_plugin.layout import ParallelLayout
 from mover_plugin.megatron.checkpoint import capture_rng_state, restore_rng_state
+from mover_plugin.megatron.layer_profile import host_memory_bytes, measure_training_stage
 from mover_plugin.megatron.template_training import (
     PlacementGroups,
     StageRecipe,
@@ -53,7 +57,8 @@ from mover_plugin.megatron.template_training import (
 )
 from mover_plugin.placement import Placement, Transfer
 from mover_plugin.runtime.settings import ResilienceSettings
-from mover_plugin.shrink import TemplateSpec
+from mover_plugin.shrink import TemplateSpec, profile_record
+from mover_plugin.templates import Profile
 
 logger = logging.getLogger(__name__)
 
@@ -62,9 +67,9 @@ FINAL_FOLDER = "templates_final"
 
 
 def template_spec(args: argparse.Namespace, settings: ResilienceSettings,
-                  sharded: bool) -> Optional[TemplateSpec]:
-    """What the planner needs of this job, or None (with the reason logged) when it cannot
-    train on pipeline templates."""
+                  sharded: bool, quiet: bool = False) -> Optional[TemplateSpec]:
+    """What the planner needs of this job, or None (with the reason logged, unless
+    ``quiet``) when it cannot train on pipeline templates."""
     reasons = []
     if args.tensor_model_parallel_size != 1:
         reasons.append(f"tensor-parallel size {args.tensor_model_parallel_size}")
@@ -75,14 +80,40 @@ def template_spec(args: argparse.Namespace, settings: ResilienceSettings,
     if getattr(args, "fp16", False) or getattr(args, "bf16", False):
         reasons.append("fp16/bf16 parameters")
     if reasons:
-        logger.info("no pipeline templates for this job (%s): a rank lost with no standby "
-                    "ready restarts the job", ", ".join(reasons))
+        if not quiet:
+            logger.info("no pipeline templates for this job (%s): a rank lost with no standby "
+                        "ready restarts the job", ", ".join(reasons))
         return None
+    profile = getattr(args, "template_profile", None)
     return TemplateSpec(num_layers=args.num_layers,
                         tied=not args.untie_embeddings_and_output_weights,
                         microbatches=args.global_batch_size // args.micro_batch_size,
-                        fault_tolerance=settings.fault_tolerance,
-                        profile=getattr(args, "template_profile", None))
+                        fault_tolerance=settings.fault_tolerance, profile=profile,
+                        profile_source="estimate" if profile is None else "given")
+
+
+def measure_own_stage(args: argparse.Namespace, model: Any, recipe: StageRecipe,
+                      rank: int) -> Optional[tuple[int, dict[str, Any]]]:
+    """(pipeline stage, profile record of its layers) measured on the script's ``model`` (a
+    model, or a list of chunks) when ``rank`` is its stage's first data-parallel rank; None for
+    the other ranks, and with virtual pipeline chunks (not measured)."""
+    chunks = model if isinstance(model, list) else [model]
+    layout = ParallelLayout.for_world(args.world_size, args.tensor_model_parallel_size,
+                                      args.pipeline_model_parallel_size)
+    where = layout.coordinates(rank)
+    if where.dp != 0 or where.tp != 0 or len(chunks) != 1:
+        return None
+    started = time.perf_counter()
+    costs = measure_training_stage(
+        chunks[0], recipe.forward_step, recipe.microbatch(0, 0),
+        first_layer=job_first_layer(args, rank),
+        input_shape=(recipe.seq_length, recipe.micro_batch_size, args.hidden_size))
+    device = next(chunks[0].parameters()).device
+    record = profile_record(Profile(costs, host_memory_bytes(device)))
+    logger.info("pipeline stage %d measured its layers for the pipeline templates in %.2f s: %s",
+                where.pp, time.perf_counter() - started,
+                ", ".join(f"{cost.name} {1000 * cost.step_s:.1f} ms" for cost in costs))
+    return where.pp, record
 
 
 def job_first_layer(args: argparse.Namespace, job_rank: int) -> int:

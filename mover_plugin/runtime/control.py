@@ -32,6 +32,7 @@ from mover_plugin.contract import (
     generation_prefix,
     plan_key,
     promotion_key,
+    stage_profile_key,
     standbys_ready_key,
     successor_key,
     switch_decision_key,
@@ -85,6 +86,11 @@ class ControlClient:
         """Tells the controller the job can shrink onto pipeline templates, and what the
         planner needs (:class:`mover_plugin.shrink.TemplateSpec`)."""
         self.store.set(TEMPLATES_KEY, json.dumps(spec))
+
+    def publish_stage_profile(self, stage: int, record: dict[str, Any]) -> None:
+        """The per-layer costs pipeline stage ``stage`` measured (a profile record of its
+        layers), for the controller to plan from."""
+        self.store.set(stage_profile_key(stage), json.dumps(record))
 
     def post(self, kind: str, **fields: Any) -> None:
         """Posts an event to the controller (a few per interruption, never per step)."""
