@@ -3,18 +3,20 @@
 and after growing back, and the downtime of each change against a restart of the same job.
 
 The example's Megatron-Core GPT (TP1 x PP2 x DP2 on 4 CPU processes, 8 layers of width 64, no
-dropout) is first measured on one process (a per-layer profile,
-mover_plugin.megatron.layer_profile), from which the planner predicts the shrunk job's
-throughput. Then the job runs under ``mover-launch --policy resilient --standbys 0
---refill-delay-s 0`` with ``--resilient``: its agent SIGKILLs rank 3 at step ``--kill-at``;
-with no standby ready the survivors shrink onto the planner's pipelines for three hosts (a
-2-stage and a 1-stage pipeline); the lost rank's slot is refilled with a standby at once, and
-once it is ready the job grows back to PP2 x DP2. It prints:
+dropout) runs under ``mover-launch --policy resilient --standbys 0 --refill-delay-s 0`` with
+``--resilient``. Before its first step each pipeline stage measures its layers (the per-layer
+profile, mover_plugin.megatron.layer_profile), which the planner plans from. Its agent
+SIGKILLs rank 3 at step ``--kill-at``; with no standby ready the survivors shrink onto the
+planner's pipelines for three hosts (a 2-stage and a 1-stage pipeline); the lost rank's slot
+is refilled with a standby at once, and once it is ready the job grows back to PP2 x DP2. It
+prints:
+
+* the profile the job measured (from the event log's ``shrink`` record);
 
 * the median step time of each phase (as the step lines print it; the first step after each
   change left out) and that of the same steps of a failure-free run of the job, measured first
   in the same invocation: the phase's throughput as a ratio to the failure-free run's, and,
-  while shrunk, the planner's predicted ratio;
+  while shrunk, the ratio the planner predicts from that profile;
 * the downtime of the shrink and of the growing back, as the run summary reports them (from the
   failure, or from the end of the last step before the switch, to the end of the first step
   after it), and the bytes of layers and optimizer state moved;
@@ -39,12 +41,8 @@ from common import add_out_argument, benchmark_parser, job_folder, new_out_folde
 from jobs import (GPT_EXAMPLE, checkpoint_flags, gpt_model_flags, mover_launch_command,
                   read_events, read_summary, run_job, summary_with_digest)
 
-from mover_plugin.testing import run_ranks
-from mover_plugin.megatron.template_run import (
-    JOB_PIPELINES,
-    TemplateRun,
-    measure_example_profile,
-)
+from mover_plugin.megatron.template_run import JOB_PIPELINES
+from mover_plugin.shrink import TemplateSpec
 
 LAYERS = 8
 NO_DROPOUT = ("--hidden-dropout", "0", "--attention-dropout", "0")
@@ -53,13 +51,6 @@ STEP_LINE = re.compile(r"^step\s+(\d+)/\d+ \|.*\| step time (\S+) ms", re.MULTIL
 
 def model_flags(steps: int) -> list[str]:
     return [*gpt_model_flags(pipeline=2, layers=LAYERS, train_iters=steps), *NO_DROPOUT]
-
-
-def template_run() -> TemplateRun:
-    argv = model_flags(1)
-    at = argv.index("--train-iters")
-    del argv[at:at + 2]
-    return TemplateRun(Path(GPT_EXAMPLE), tuple(argv), LAYERS, slots=4)
 
 
 def predicted_ratio(profile, slots: int) -> float:
@@ -110,11 +101,6 @@ def main() -> None:
     args = parser.parse_args()
     out = new_out_folder(args.out)
 
-    (measured,) = run_ranks(measure_example_profile, 1, template_run(), timeout_s=300,
-                            group_timeout_s=120)
-    profile = measured["profile"]
-    print("profile (ms forward + backward):",
-          " ".join(f"{c.name}={1000 * c.step_s:.1f}" for c in profile.layers))
     _, _, baseline = resilient_job(out, "failure-free", args.steps)
     summary, events, times = resilient_job(out, "templates", args.steps, "--refill-delay-s", "0",
                                            "--inject-failure", f"3:{args.kill_at}")
@@ -122,6 +108,13 @@ def main() -> None:
     if shrink["recovery"] != "shrink" or not rest or rest[0]["recovery"] != "grow":
         raise SystemExit(f"the job did not shrink and grow back: {summary['interruptions']}")
     grow = rest[0]
+    (record,) = [e for e in events if e["event"] == "shrink"]
+    if record["profile_source"] != "measured":
+        raise SystemExit(f"the job planned from the {record['profile_source']} profile, not "
+                         "the one its stages measured")
+    profile = TemplateSpec(LAYERS, True, 4, profile=record["profile"]).planner_profile()
+    print("profile the job measured (ms forward + backward):",
+          " ".join(f"{c.name}={1000 * c.step_s:.1f}" for c in profile.layers))
     at_shrink, at_grow = shrink["step"], grow["step"]
     phases = {"full": range(2, at_shrink), "shrunk": range(at_shrink + 2, at_grow + 1),
               "grown": range(at_grow + 2, args.steps + 1)}
