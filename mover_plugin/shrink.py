@@ -6,8 +6,8 @@ A job that can train on pipeline templates says so at its start: its first rank 
 the word embedding, the global batch in micro-batches, and the per-layer profile given with
 ``--resilient-template-profile`` when there is one). Without one, the first rank of every
 pipeline stage measures its stage's layers before the first step and publishes them; the
-controller puts them together (:func:`assemble_profile`) when it plans. When the controller cannot give a lost rank a standby, :func:`plan_shrink` plans
-the survivors' generation from it:
+controller puts them together (:func:`assemble_profile`) when it plans. When the controller
+cannot give a lost rank a standby, :func:`plan_shrink` plans the survivors' generation from it:
 
 - the survivors form a world of their own, numbered in the order of their job ranks (their
   ranks in the job stay their names towards the controller);
