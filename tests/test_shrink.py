@@ -127,7 +127,8 @@ def test_the_profile_the_stages_measured_is_the_models():
     assert TemplateSpec.of_record(measured.to_record()) == measured
     given = replace(SPEC, profile=profile_record(whole), profile_source="given")
     assert given.with_measured(stage_records(slow_first_layers(), (gib, gib))) is given
-    with pytest.raises(PlanningError, match=r"measured \['embedding', 'layer 0', 'layer 1'\], not the 6 layers"):
+    missing = r"measured \['embedding', 'layer 0', 'layer 1'\], not the 6 layers"
+    with pytest.raises(PlanningError, match=missing):
         SPEC.with_measured(stage_records(whole, (gib, gib))[:1])  # the last stage is missing
     with pytest.raises(PlanningError, match="not the 8 layers"):
         replace(SPEC, num_layers=6).with_measured(stage_records(whole, (gib, gib)))
