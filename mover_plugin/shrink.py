@@ -62,22 +62,27 @@ class TemplateSpec:
     profile: Optional[dict[str, Any]] = None
     """A measured per-layer profile (:func:`profile_record`); None: the synthetic GPT-like
     one (:func:`~mover_plugin.templates.transformer_profile`)."""
-    profile_source: str = "estimate"
-    """Where :attr:`profile` came from: ``given`` (``--resilient-template-profile``),
-    ``measured`` (by the job's stages at its start), or ``estimate`` (none: the GPT-like one)."""
+    measured: bool = False
+    """Whether :attr:`profile` is the one the job's stages measured at its start (otherwise
+    it was given with ``--resilient-template-profile``)."""
+
+    @property
+    def profile_source(self) -> str:
+        """``given``, ``measured``, or ``estimate`` (no profile: the GPT-like one)."""
+        if self.profile is None:
+            return "estimate"
+        return "measured" if self.measured else "given"
 
     @classmethod
     def of_record(cls, record: Mapping[str, Any]) -> "TemplateSpec":
-        profile = record.get("profile")
         return cls(int(record["num_layers"]), bool(record["tied"]),
                    int(record["microbatches"]), int(record.get("fault_tolerance", 1)),
-                   profile, str(record.get("profile_source",
-                                           "estimate" if profile is None else "given")))
+                   record.get("profile"), bool(record.get("measured", False)))
 
     def to_record(self) -> dict[str, Any]:
         return {"num_layers": self.num_layers, "tied": self.tied,
                 "microbatches": self.microbatches, "fault_tolerance": self.fault_tolerance,
-                "profile": self.profile, "profile_source": self.profile_source}
+                "profile": self.profile, "measured": self.measured}
 
     def with_measured(self, stages: Sequence[Mapping[str, Any]]) -> "TemplateSpec":
         """This spec planning from the profile its stages measured (their records, in stage
@@ -85,8 +90,7 @@ class TemplateSpec:
         make the model's profile."""
         if self.profile is not None:
             return self
-        return replace(self, profile=assemble_profile(stages, self.num_layers),
-                       profile_source="measured")
+        return replace(self, profile=assemble_profile(stages, self.num_layers), measured=True)
 
     def planner_profile(self) -> Profile:
         if self.profile is None:

@@ -105,8 +105,7 @@ def test_records_round_trip():
     assert renamed.describe() == plan.placement.describe().replace("[0 1]", "[4 5]").replace(
         "[2]", "[7]")
     measured = TemplateSpec(4, False, 4, fault_tolerance=2,
-                            profile=profile_record(transformer_profile(4)),
-                            profile_source="given")
+                            profile=profile_record(transformer_profile(4)))
     assert TemplateSpec.of_record(measured.to_record()) == measured
     assert measured.planner_profile() == transformer_profile(4)
 
@@ -125,7 +124,7 @@ def test_the_profile_the_stages_measured_is_the_models():
     assert measured.profile_source == "measured"
     assert measured.planner_profile() == Profile(whole.layers, 6 * gib)  # the smaller host
     assert TemplateSpec.of_record(measured.to_record()) == measured
-    given = replace(SPEC, profile=profile_record(whole), profile_source="given")
+    given = replace(SPEC, profile=profile_record(whole))
     assert given.with_measured(stage_records(slow_first_layers(), (gib, gib))) is given
     missing = r"measured \['embedding', 'layer 0', 'layer 1'\], not the 6 layers"
     with pytest.raises(PlanningError, match=missing):

@@ -12,8 +12,8 @@ iteration boundary back to PP2 x DP2 with the standby in the lost rank's place.
 Two jobs: rank 2 (last stage) lost at step 5 of 7, which ends shrunk, planned from the profile
 the job's stages measured at its start; rank 1 (first stage) lost at step 3 of 400, which grows
 back (the standby needs about 10 s to start; 400 steps leave room), planned from a GPT-like
-profile given with --resilient-template-profile. Compared with the same steps without interruption (template_runs.RUN, trained
-in-process):
+profile given with --resilient-template-profile. Compared with the same steps without
+interruption (template_runs.RUN, trained in-process):
 
 - the loss of every step within 1e-4 relative, as the step lines print it;
 - the final parameters within a bound (see :data:`PARAM_TOLERANCE`): those the survivors write

@@ -84,12 +84,11 @@ def template_spec(args: argparse.Namespace, settings: ResilienceSettings,
             logger.info("no pipeline templates for this job (%s): a rank lost with no standby "
                         "ready restarts the job", ", ".join(reasons))
         return None
-    profile = getattr(args, "template_profile", None)
     return TemplateSpec(num_layers=args.num_layers,
                         tied=not args.untie_embeddings_and_output_weights,
                         microbatches=args.global_batch_size // args.micro_batch_size,
-                        fault_tolerance=settings.fault_tolerance, profile=profile,
-                        profile_source="estimate" if profile is None else "given")
+                        fault_tolerance=settings.fault_tolerance,
+                        profile=getattr(args, "template_profile", None))
 
 
 def measure_own_stage(args: argparse.Namespace, model: Any, recipe: StageRecipe,
