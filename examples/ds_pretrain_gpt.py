@@ -68,11 +68,12 @@ def quiet_known_warnings() -> None:
 
 def apply_cpu_patches_if_needed() -> None:
     """DeepSpeed builds a shared-memory op and expects LOCAL_RANK on CPU; the opt-in patches
-    stand in for both (and let a step that lost a peer be entered again)."""
-    from mover_plugin.patches import apply_patches
+    stand in for both (and let a step that lost a peer be entered again). Under
+    ``mover-launch`` the worker command has applied them already."""
+    from mover_plugin.patches import apply_inactive_patches
 
     if not torch.cuda.is_available():
-        apply_patches("deepspeed-cpu")
+        apply_inactive_patches("deepspeed-cpu")
 
 
 def start_resilience(args: argparse.Namespace):

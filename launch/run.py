@@ -7,7 +7,9 @@ Every worker of ``mover-launch`` runs its script through this module. It runs th
 mover_plugin drives, mover_plugin's part is put in place around that import. Today that is
 Megatron: before ``megatron.core``, the stand-ins for triton when it is not installed; after
 Megatron-LM's ``megatron.training``, its CPU stand-ins and hooks
-(:mod:`mover_plugin.megatron.training_loop`). A script that
+(:mod:`mover_plugin.megatron.training_loop`). DeepSpeed: after ``deepspeed``, its CPU patches
+on a machine without CUDA and, for a script whose DeepSpeed config enables a ``"resilience"``
+block, the drop-in's hooks (:mod:`mover_plugin.deepspeed.drop_in`). A script that
 imports no such framework runs unchanged, and nothing is imported before it needs it.
 
 When the script ends while a thread is still blocked in the wait of an operation abandoned with
@@ -106,11 +108,18 @@ def _after_megatron_training() -> None:
     after_megatron_training_import()
 
 
+def _after_deepspeed() -> None:
+    from mover_plugin.deepspeed.drop_in import after_deepspeed_import
+
+    after_deepspeed_import()
+
+
 def install_framework_hooks() -> None:
     """Arranges mover_plugin's part around the frameworks this module knows: Megatron
-    (``megatron.core``, then Megatron-LM's ``megatron.training``)."""
+    (``megatron.core``, then Megatron-LM's ``megatron.training``) and DeepSpeed."""
     FirstImportHook("megatron.core", _before_megatron, _nothing).install()
     FirstImportHook("megatron.training", _nothing, _after_megatron_training).install()
+    FirstImportHook("deepspeed", _nothing, _after_deepspeed).install()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -139,9 +148,14 @@ def _run(argv: list[str]) -> None:
 
 
 def _end_of_script(end: Optional[BaseException]) -> None:
-    """Skips the interpreter's teardown when an abandoned operation still blocks a thread
+    """Ends the DeepSpeed drop-in's runtime if it ran; then skips the interpreter's teardown
+    when an abandoned operation still blocks a thread
     (:func:`mover_plugin.runtime.exits.end_of_script`; nothing to check without mover's
     groups); otherwise returns."""
+    if "mover_plugin.deepspeed.drop_in" in sys.modules:
+        from mover_plugin.deepspeed.drop_in import finish
+
+        finish()
     if "mover_plugin.comm.context" in sys.modules:
         from mover_plugin.runtime.exits import end_of_script
 

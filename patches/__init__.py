@@ -17,7 +17,9 @@ tested for, and a condition saying when it is wanted. The patches are:
   (:mod:`mover_plugin.patches.local_collectives`) keeps a joining standby's model build from
   talking to the running ranks. The ``deepspeed-cpu`` group
   (:mod:`mover_plugin.patches.deepspeed_cpu`) lets DeepSpeed 0.19 train on CPU processes and
-  re-enter a training step that lost a peer. For Megatron-LM's own training loop
+  re-enter a training step that lost a peer; the ``deepspeed-hooks`` group
+  (:mod:`mover_plugin.patches.deepspeed_hooks`) the hook points through which mover_plugin
+  enters an unmodified DeepSpeed script. For Megatron-LM's own training loop
   (``megatron.training``), the ``megatron-lm-cpu`` group
   (:mod:`mover_plugin.patches.megatron_lm_cpu`) adds the CPU stand-ins that loop needs, and the
   ``megatron-lm-hooks`` group (:mod:`mover_plugin.patches.megatron_lm_hooks`) the hook points
@@ -36,6 +38,7 @@ Example::
 
 from mover_plugin.patches import (
     deepspeed_cpu,
+    deepspeed_hooks,
     local_collectives,
     megatron_cpu,
     megatron_lm_cpu,
@@ -68,6 +71,7 @@ __all__ = [
     "apply_patches",
     "available_patches",
     "deepspeed_cpu",
+    "deepspeed_hooks",
     "local_collectives",
     "megatron_cpu",
     "megatron_lm_cpu",

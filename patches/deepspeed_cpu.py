@@ -34,7 +34,7 @@ from mover_plugin.patches.registry import AttributeSwap, Patch, Undo, register_p
 
 GROUP = "deepspeed-cpu"
 LOCAL_COLLECTIVES_GROUP = "deepspeed-local-collectives"
-_TESTED = ">=0.19.8,<0.20"
+TESTED_VERSIONS = ">=0.19.8,<0.20"
 
 
 def _torch_backend_module() -> Any:
@@ -118,14 +118,14 @@ for _name, _description, _apply in (
     ("reentrant-train-batch", "a train_batch that raised resets the engine's timers",
      _apply_reentrant_train_batch),
 ):
-    register_patch(Patch(name=_name, distribution="deepspeed", tested_versions=_TESTED,
+    register_patch(Patch(name=_name, distribution="deepspeed", tested_versions=TESTED_VERSIONS,
                          description=_description, apply=_apply, groups=(GROUP,)))
 
 register_patch(
     Patch(
         name="deepspeed-local-backend-functions",
         distribution="deepspeed",
-        tested_versions=_TESTED,
+        tested_versions=TESTED_VERSIONS,
         description="DeepSpeed's all-gather and reduce-scatter act locally (a joiner's build)",
         apply=_apply_local_backend_functions,
         groups=(LOCAL_COLLECTIVES_GROUP,),

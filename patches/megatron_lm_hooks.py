@@ -8,7 +8,8 @@ module replaces each of them with a wrapper that hands the original to the insta
 installed hooks object changes only what its subclass overrides. The policy (which flags, what
 happens around a training step) lives with the caller (``mover_plugin.megatron.training_loop``);
 this module only swaps attributes, reversibly. Each wrapper's ``__wrapped__`` is the original
-(:func:`unhooked`), for a caller that must run Megatron-LM's own function without the hooks.
+(:func:`~mover_plugin.patches.hook_points.unhooked`), for a caller that must run Megatron-LM's
+own function without the hooks.
 
 Hook points (each checked on megatron-core 0.19.2 with ``pretrain_gpt.py`` at core_v0.19.0):
 
@@ -46,16 +47,15 @@ from __future__ import annotations
 import argparse
 import importlib
 from collections.abc import Callable
-from typing import Any, Optional
+from typing import Any
 
-from mover_plugin.errors import PatchError
+from mover_plugin.patches.hook_points import HookPoints
 from mover_plugin.patches.megatron_cpu import DISTRIBUTION, TESTED_VERSIONS
 from mover_plugin.patches.registry import (
     AppliedPatches,
     AttributeSwap,
     Patch,
     Undo,
-    apply_patches,
     register_patch,
 )
 
@@ -116,34 +116,17 @@ class MegatronLMHooks:
         return training_log(*args, **kwargs)
 
 
-_installed: Optional[MegatronLMHooks] = None
+_HOOKS: HookPoints[MegatronLMHooks] = HookPoints(GROUP, "Megatron-LM hooks")
 
 
 def installed_hooks() -> MegatronLMHooks:
     """The hooks object the patched hook points call."""
-    if _installed is None:
-        raise PatchError("no Megatron-LM hooks are installed (install_hooks)")
-    return _installed
-
-
-def unhooked(function: Callable[..., Any]) -> Callable[..., Any]:
-    """Megatron-LM's own function behind a hook point's wrapper (``function`` itself if it is
-    not one)."""
-    return getattr(function, "__wrapped__", function)
+    return _HOOKS.installed()
 
 
 def install_hooks(hooks: MegatronLMHooks) -> AppliedPatches:
     """Points every hook point at ``hooks``; ``revert()`` of the result takes them out."""
-    global _installed
-    if _installed is not None:
-        raise PatchError("Megatron-LM hooks are installed already; revert them first")
-    _installed = hooks
-    try:
-        applied = apply_patches(GROUP)
-    except BaseException:
-        _installed = None
-        raise
-    return applied
+    return _HOOKS.install(hooks)
 
 
 def _hook_point(name: str, description: str
@@ -152,13 +135,7 @@ def _hook_point(name: str, description: str
         def apply() -> Undo:
             swap = AttributeSwap()
             swap_in(swap)
-
-            def undo() -> None:
-                global _installed
-                swap.restore()
-                _installed = None
-
-            return undo
+            return _HOOKS.undo_with(swap)
 
         register_patch(Patch(name=name, distribution=DISTRIBUTION,
                              tested_versions=TESTED_VERSIONS, description=description,
@@ -190,16 +167,7 @@ def _swap_arguments(swap: AttributeSwap) -> None:
 
 
 def _wrap(swap: AttributeSwap, module_name: str, name: str, hook: str) -> None:
-    """Points ``module_name.name`` at a wrapper that hands the original to the installed
-    hooks' method ``hook``."""
-    module = importlib.import_module(module_name)
-    original = getattr(module, name)
-
-    def with_hooks(*args: Any, **kwargs: Any) -> Any:
-        return getattr(installed_hooks(), hook)(original, *args, **kwargs)
-
-    with_hooks.__wrapped__ = original  # type: ignore[attr-defined]
-    swap.set_attr(module, name, with_hooks)
+    _HOOKS.swap_to_hook(swap, module_name, name, hook)
 
 
 @_hook_point("lm-pretrain", "Megatron-LM's pretrain() runs inside the installed hooks")

@@ -655,3 +655,44 @@ def test_megatron_lm_hooks_pass_through_and_revert() -> None:
                             timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "EXTRA 3 2" in result.stdout and "REVERTED" in result.stdout
+
+
+def test_deepspeed_hooks_see_every_entry_point_and_revert() -> None:
+    """The hooks see a script's deepspeed.init_distributed, the one deepspeed.initialize makes
+    through deepspeed.comm, and deepspeed.initialize; revert puts DeepSpeed's own back."""
+    pytest.importorskip("deepspeed")
+    code = (
+        "import deepspeed, deepspeed.comm as comm\n"
+        "from mover_plugin.errors import PatchError\n"
+        "from mover_plugin.patches.deepspeed_hooks import DeepSpeedHooks, install_hooks\n"
+        "originals = (deepspeed.init_distributed, comm.init_distributed, deepspeed.initialize)\n"
+        "seen = []\n"
+        "class Record(DeepSpeedHooks):\n"
+        "    def around_init_distributed(self, init, *args, **kwargs):\n"
+        "        seen.append(('init', init is originals[1], kwargs))\n"
+        "    def around_initialize(self, initialize, *args, **kwargs):\n"
+        "        seen.append(('initialize', initialize is originals[2], kwargs))\n"
+        "        return 'engine', None, None, None\n"
+        "applied = install_hooks(Record())\n"
+        "try:\n"
+        "    install_hooks(DeepSpeedHooks())\n"
+        "except PatchError as error:\n"
+        "    print('TWICE', error)\n"
+        "deepspeed.init_distributed(dist_backend='gloo')\n"
+        "comm.init_distributed(dist_backend='gloo')\n"
+        "print('RESULT', deepspeed.initialize(model=None, config={})[0])\n"
+        "print('SEEN', seen)\n"
+        "applied.revert()\n"
+        "assert (deepspeed.init_distributed, comm.init_distributed, deepspeed.initialize)"
+        " == originals\n"
+        "print('REVERTED')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "TWICE DeepSpeed hooks are installed already; revert them first" in result.stdout
+    assert "RESULT engine" in result.stdout and "REVERTED" in result.stdout
+    seen = result.stdout.split("SEEN ", 1)[1].splitlines()[0]
+    assert seen == ("[('init', True, {'dist_backend': 'gloo'}), "
+                    "('init', True, {'dist_backend': 'gloo'}), "
+                    "('initialize', True, {'model': None, 'config': {}})]")

@@ -43,7 +43,7 @@ import logging
 import random
 import time
 import types
-from typing import Any, Callable, Optional
+from typing import Any, Callable, ClassVar, Optional
 
 import numpy as np
 import torch
@@ -90,7 +90,12 @@ class DeepSpeedResilience:
     FrameworkAdapter`).
     """
 
-    def __init__(self, block: ResilienceBlock, pipeline_parallel_size: int) -> None:
+    started: ClassVar[Optional["DeepSpeedResilience"]] = None
+    """The runtime this process started, if any (the drop-in leaves a script that drives the
+    runtime itself alone)."""
+
+    def __init__(self, block: ResilienceBlock,
+                 pipeline_parallel_size: Optional[int] = None) -> None:
         self.peer_copy = block.peer_copy
         self._engine: Any = None
         self._load: Load = lambda: None
@@ -104,16 +109,18 @@ class DeepSpeedResilience:
         self._held_version = -1
         """The iteration the held copy belongs to (-1: none, or being replaced)."""
         self.runtime = ResilienceRuntime.connect(block.settings, self)
-        self._layout = ParallelLayout.for_world(self.runtime.world_size, 1,
-                                                pipeline_parallel_size)
+        self._layout = None if pipeline_parallel_size is None else ParallelLayout.for_world(
+            self.runtime.world_size, 1, pipeline_parallel_size)
+        """None: published from the engine's grid once it is built."""
 
     # -- what the training script calls ---------------------------------------------------
 
     @classmethod
     def start(cls, block: ResilienceBlock, *,
-              pipeline_parallel_size: int) -> "DeepSpeedResilience":
-        """Connects to ``mover-launch``; a standby blocks here until it is promoted."""
-        resilience = cls(block, pipeline_parallel_size)
+              pipeline_parallel_size: Optional[int] = None) -> "DeepSpeedResilience":
+        """Connects to ``mover-launch``; a standby blocks here until it is promoted. Without
+        ``pipeline_parallel_size`` the layout is taken from the engine (:meth:`adopt_engine`)."""
+        resilience = cls.started = cls(block, pipeline_parallel_size)
         if resilience.runtime.is_standby:
             resilience._import_lazy_modules()
             resilience.runtime.wait_for_promotion()
@@ -152,13 +159,21 @@ class DeepSpeedResilience:
 
             with apply_patches("local-collectives"), apply_patches("deepspeed-local-collectives"):
                 engine = build()
+        self.adopt_engine(engine)
+        return engine
+
+    def adopt_engine(self, engine: Any) -> None:
+        """Checks that ``engine`` is a pipeline engine and covers WORLD with its grid's groups;
+        the first rank publishes the layout if :meth:`start` was not given it."""
         grid = getattr(engine, "grid", None)
         if grid is None:
             raise LaunchError(f"the resilience runtime needs a pipeline engine (a "
                               f"PipelineModule given to deepspeed.initialize); got "
                               f"{type(engine).__name__}")
         cover_world([grid.get_model_parallel_group(), grid.get_data_parallel_group()])
-        return engine
+        if self._layout is None and self.runtime.rank == 0:
+            self.runtime.control.publish_layout(
+                ParallelLayout.for_world(self.runtime.world_size, 1, engine.num_stages))
 
     def attach(self, engine: Any, *, load: Load) -> None:
         """Registers the engine, gates its optimizer update and counts its completed
@@ -185,12 +200,12 @@ class DeepSpeedResilience:
 
         engine.train_batch = counted_train_batch
 
-    def first_iteration(self) -> int:
-        """The iteration to start from: the checkpoint's (or 0), or for a joiner what the
-        live ranks continue from."""
-        if self.runtime.joiner_of is None:
-            return self.runtime.begin(self._load() or 0)
-        return self.runtime.join()
+    def first_iteration(self, started_at: Optional[int] = None) -> int:
+        """The iteration to start from: ``started_at`` if given, else the checkpoint's (or 0);
+        for a joiner, what the live ranks continue from."""
+        if self.runtime.joiner_of is not None:
+            return self.runtime.join()
+        return self.runtime.begin(self._load() or 0 if started_at is None else started_at)
 
     def run_step(self, iteration: int, step: Callable[[int], Any]) -> tuple[Any, int]:
         """See :meth:`ResilienceRuntime.run_step`."""

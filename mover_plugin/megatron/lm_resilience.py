@@ -41,14 +41,12 @@ worker processes' effect on detection (``--num-workers 0`` keeps it fast).
 from __future__ import annotations
 
 import argparse
-import collections
-import copy
 import logging
 import os
 import time
 import types
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -66,6 +64,7 @@ from mover_plugin.megatron.resilience import MegatronResilience
 from mover_plugin.megatron.standby import parallel_layout
 from mover_plugin.runtime.adapter import Transfer
 from mover_plugin.runtime.handover import module_state_tensors
+from mover_plugin.runtime.replay import ReplayableIterator
 from mover_plugin.runtime.settings import ResilienceSettings
 
 logger = logging.getLogger(__name__)
@@ -77,34 +76,6 @@ DATA_FLAGS = ("do_train", "do_valid", "do_test")
 joiner builds its data iterators with local collectives, so it gets them from its twin (a
 rank that builds no data loader itself, such as tensor-parallel rank 1, would otherwise skip
 training and exit)."""
-
-
-class ReplayableIterator:
-    """Wraps the iterator inside a ``RerunDataIterator``: records the micro-batches of the
-    current attempt, and after :meth:`rewind` serves them again before reading on."""
-
-    def __init__(self, source: Iterator[Any]) -> None:
-        self.source = source
-        self._taken: list[Any] = []
-        self._pending: collections.deque[Any] = collections.deque()
-
-    def __iter__(self) -> "ReplayableIterator":
-        return self
-
-    def __next__(self) -> Any:
-        item = self._pending.popleft() if self._pending else next(self.source)
-        # A shallow copy, as Megatron's RerunDataIterator keeps: the consumer may edit a dict.
-        self._taken.append(copy.copy(item))
-        return item
-
-    def begin(self) -> None:
-        """A new iteration starts: what the last one read is not needed again."""
-        self._taken = []
-
-    def rewind(self) -> None:
-        """The attempt failed: its micro-batches are served again, in order."""
-        self._pending.extendleft(reversed(self._taken))
-        self._taken = []
 
 
 class MicroBatchReplay:

@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from mover_plugin.megatron.standby import StandbyWarmUp, TrainingObjects
-from mover_plugin.patches.megatron_lm_hooks import unhooked
+from mover_plugin.patches.hook_points import unhooked
 
 TRAINING_SETTINGS = ("grad_scale_func", "timers", "no_sync_func", "grad_sync_func",
                      "finalize_model_grads_func")

@@ -170,9 +170,10 @@ class ResilienceRuntime:
         logger.warning("standby %s promoted to rank %d in generation %d",
                        self.control.standby_id, self.rank, self.generation)
 
-    def init_distributed(self, layout: ParallelLayout) -> None:
+    def init_distributed(self, layout: Optional[ParallelLayout]) -> None:
         """``init_process_group`` for this generation with abortable groups, then the
-        framework's groups; the first rank publishes the layout for the controller."""
+        framework's groups; the first rank publishes the layout for the controller (None: the
+        adapter publishes it once the framework has made its groups)."""
         self.progress.generation = self.generation
         self._watch = NoticeWatcher.from_env(self.generation, raise_alarm,
                                              self.migration.on_switch_notice,
@@ -182,7 +183,7 @@ class ResilienceRuntime:
                               "'mover-launch' (no notice pipe from its agent)")
         if self.joiner_of is None:
             self._init_groups()
-            if self.rank == 0:
+            if self.rank == 0 and layout is not None:
                 self.control.publish_layout(layout)
             return
         while True:

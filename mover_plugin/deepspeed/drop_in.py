@@ -1,0 +1,211 @@
+"""An unmodified DeepSpeed script under the resilience runtime: the ``"resilience"`` block alone.
+
+``mover-launch`` runs every worker's script through :mod:`mover_plugin.launch.run`. When the
+script imports ``deepspeed``, :func:`after_deepspeed_import` applies the ``deepspeed-cpu``
+patches on a machine without CUDA and, when the script's ``--deepspeed_config`` holds an enabled
+``"resilience"`` block and the process runs under ``mover-launch``, installs a :class:`DropIn`
+at DeepSpeed's hook points (:mod:`mover_plugin.patches.deepspeed_hooks`). The drop-in drives
+the same runtime as a script written against the API
+(:class:`~mover_plugin.deepspeed.resilience.DeepSpeedResilience`) from DeepSpeed's own calls:
+
+- ``deepspeed.init_distributed`` (the script's, or the one ``deepspeed.initialize`` makes): the
+  runtime connects to ``mover-launch``, and a standby waits here for its promotion; then
+  ``init_process_group`` with the abortable ``mover`` backend on the generation's store, under
+  DeepSpeed's backend. A joiner's collectives stay local from here until its first iteration
+  (``local-collectives``): its start-up's collectives have no partner in a running job, and
+  what they produce is replaced by the state it receives.
+- ``deepspeed.initialize``: the engine's grid covers WORLD, its optimizer update waits for the
+  commit, and its ``train_batch``, ``save_checkpoint`` and ``eval_batch`` are wrapped. DeepSpeed
+  ignores the ``"resilience"`` key of its config.
+- ``engine.train_batch``: one iteration through the runtime's ``run_step``; the job's
+  iteration is the engine's ``global_steps``. The micro-batches a call draws (from the iterator
+  it is given, or the engine's own from ``training_data``) are recorded
+  (:class:`~mover_plugin.runtime.replay.ReplayableIterator`), so a redone iteration is fed the
+  same ones. A planned switch happens at the start of a ``train_batch``, so that the leaver,
+  not the joiner, takes part in whatever collectives the script runs between two calls.
+- **A joiner** receives its state from a live rank at its first ``train_batch``. Its script
+  started its loop from what its own start-up loaded (``global_steps`` then, ``g0``), so it is
+  ``T - g0`` calls behind the job's iteration ``T``. Those calls fast-forward: each draws and
+  drops the micro-batches its stage would have read, trains nothing and returns a NaN loss,
+  and ``save_checkpoint`` and ``eval_batch`` do nothing meanwhile; its collectives stay local.
+  So the script's loop and data are where the lost rank's were when the joiner trains.
+
+Limits: pipeline engines (a ``PipelineModule`` and ``train_batch``); a lost rank is recovered in
+place when a live peer holds a copy of its optimizer shard (``"peer_copy": true``); otherwise the
+job restarts and the script resumes from its own checkpoint, because an unmodified script's loop
+cannot go back in place. The script must call
+``train_batch`` once per iteration, read its data in the same order on every start (a replay
+of the same loader from the step its checkpoint holds), and run no collective of its own
+between two calls that a lost peer could leave hanging.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from typing import Any, Callable, Optional
+
+import torch
+
+from mover_plugin.contract import CONTROL_ADDR_ENV
+from mover_plugin.deepspeed.config import DeepSpeedResilience as ResilienceBlock
+from mover_plugin.deepspeed.config import config_path_in, load_ds_config
+from mover_plugin.deepspeed.resilience import DeepSpeedResilience
+from mover_plugin.patches import AppliedPatches, apply_inactive_patches, apply_patches
+from mover_plugin.patches.deepspeed_hooks import DeepSpeedHooks, install_hooks
+from mover_plugin.runtime.replay import ReplayableIterator
+
+logger = logging.getLogger(__name__)
+
+_LOCAL_COLLECTIVES = ("local-collectives", "deepspeed-local-collectives")
+
+
+def after_deepspeed_import() -> None:
+    """What the worker command arranges once the script imported ``deepspeed``."""
+    if not torch.cuda.is_available():
+        apply_inactive_patches("deepspeed-cpu")
+    block = _resilience_block(sys.argv[1:])
+    if block is not None and block.enabled and os.environ.get(CONTROL_ADDR_ENV):
+        DropIn.installed = DropIn(block)
+        install_hooks(DropIn.installed)
+
+
+def finish() -> None:
+    """The script ended: the runtime stops its heartbeats and notices (if the drop-in ran)."""
+    drop_in = DropIn.installed
+    if drop_in is not None and drop_in.resilience is not None:
+        drop_in.resilience.finish()
+
+
+def _resilience_block(script_args: list[str]) -> Optional[ResilienceBlock]:
+    path = config_path_in(script_args)
+    return None if path is None else load_ds_config(path)[1]
+
+
+class DropIn(DeepSpeedHooks):
+    """The runtime entered from DeepSpeed's public API (module docstring)."""
+
+    installed: Optional["DropIn"] = None
+
+    def __init__(self, block: ResilienceBlock) -> None:
+        self.block = block
+        self.resilience: Optional[DeepSpeedResilience] = None
+        self._local: Optional[AppliedPatches] = None
+        self._engine: Any = None
+        self._iteration: Optional[int] = None
+        """The next iteration this rank trains; None before its first ``train_batch``."""
+        self._behind = 0
+        """``train_batch`` calls a joiner's script still has to catch up on."""
+        self._attempted = -1
+
+    # -- hook points ----------------------------------------------------------------------
+
+    def around_init_distributed(self, init: Callable[..., Any], *args: Any,
+                                **kwargs: Any) -> Any:
+        if self.resilience is not None or DeepSpeedResilience.started is not None:
+            return init(*args, **kwargs)  # set up already, or a script that drives the runtime
+        self.resilience = DeepSpeedResilience.start(self.block)
+        self.resilience.runtime.switch_before_next_step = True
+        self.resilience.initialize_distributed()
+        result = init(*args, **kwargs)
+        if self.resilience.runtime.joiner_of is not None:
+            self._local = apply_patches(_LOCAL_COLLECTIVES)
+        return result
+
+    def around_initialize(self, initialize: Callable[..., Any], *args: Any,
+                          **kwargs: Any) -> Any:
+        if self.resilience is None:  # the script drives the runtime itself
+            return initialize(*args, **kwargs)
+        result = initialize(*args, **kwargs)
+        engine = self._engine = result[0]
+        self.resilience.adopt_engine(engine)
+        self.resilience.attach(engine, load=_no_rollback_in_place)
+        train_batch, save, evaluate = engine.train_batch, engine.save_checkpoint, engine.eval_batch
+        engine.train_batch = lambda data_iter=None: self._train_batch(train_batch, data_iter)
+        engine.save_checkpoint = self._unless_behind(save, True)
+        engine.eval_batch = self._unless_behind(evaluate, _nan())
+        return result
+
+    # -- the engine's calls ---------------------------------------------------------------
+
+    def _train_batch(self, train_batch: Callable[..., Any], data_iter: Any) -> Any:
+        resilience = self.resilience
+        assert resilience is not None
+        if self._iteration is None:
+            self._start()
+        if self._behind > 0:
+            return self._catch_up(data_iter)
+        if self._local is not None:
+            self._local.revert()
+            self._local = None
+        source = self._replayable(data_iter)
+        iteration = self._iteration
+        progress = resilience.progress
+        progress.step_begin(iteration + 1)
+        started = time.perf_counter()
+
+        def step(iteration: int) -> Any:
+            if source is not None:
+                source.rewind() if self._attempted == iteration else source.begin()
+            self._attempted = iteration
+            return train_batch(data_iter=source)
+
+        loss, self._iteration = resilience.run_step(iteration, step)
+        progress.step_end(self._iteration, time.perf_counter() - started)
+        return _nan() if loss is None else loss
+
+    def _start(self) -> None:
+        """At the first ``train_batch``: a rank that started with the job begins at the
+        engine's step count; a joiner receives its state and how far behind its script is."""
+        resilience, engine = self.resilience, self._engine
+        assert resilience is not None
+        started_at = engine.global_steps
+        if self._local is not None:  # the state comes over the job's groups
+            self._local.revert()
+            self._local = None
+        self._iteration = resilience.first_iteration(started_at=started_at)
+        self._behind = self._iteration - started_at
+        if resilience.runtime.joiner_of is not None and self._behind > 0:
+            self._local = apply_patches(_LOCAL_COLLECTIVES)
+            logger.warning("rank %d joined at iteration %d; its script catches up from %d",
+                           resilience.runtime.rank, self._iteration, started_at)
+        resilience.progress.ready(self._iteration)
+
+    def _catch_up(self, data_iter: Any) -> Any:
+        """A call the joiner's script makes for an iteration the job has trained: draws and
+        drops the micro-batches its stage would have read."""
+        engine = self._engine
+        self._behind -= 1
+        if data_iter is not None:
+            engine.set_dataiterator(data_iter)
+        if engine.data_iterator is not None:
+            for _ in range(engine.gradient_accumulation_steps()):
+                next(engine.data_iterator)
+        return _nan()
+
+    def _replayable(self, data_iter: Any) -> Optional[ReplayableIterator]:
+        """The iterator this call reads, wrapped to record (None on a stage that reads none)."""
+        engine = self._engine
+        source = data_iter if data_iter is not None else engine.data_iterator
+        if source is None or isinstance(source, ReplayableIterator):
+            return source
+        return ReplayableIterator(source)
+
+    def _unless_behind(self, method: Callable[..., Any], instead: Any) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return instead if self._behind > 0 else method(*args, **kwargs)
+
+        return call
+
+
+def _no_rollback_in_place() -> None:
+    """An unmodified script's loop cannot go back: no rollback in place (the job restarts)."""
+    logger.error("an unmodified script's loop cannot go back to a checkpoint in place: the "
+                 "job restarts, and the script resumes from its own checkpoint")
+    return None
+
+
+def _nan() -> torch.Tensor:
+    return torch.tensor(float("nan"))

@@ -1,0 +1,87 @@
+"""An unmodified DeepSpeed pipeline script (tests/scripts/ds_pipe_train.py: DeepSpeed's and
+PyTorch's API only) under mover-launch, PP2 x DP2 with ZeRO-1 on CPU: the CPU patches come from
+the launch path, and the ``"resilience"`` block alone gives it real SIGKILL recovery and a real
+migration, each ending with the failure-free PARAMS_DIGEST."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from gpt_jobs import LAUNCH, STEP_LINE, digest, read_events
+from mover_plugin.testing import run_command
+
+SCRIPT = str(Path(__file__).parent / "scripts" / "ds_pipe_train.py")
+CONFIG = json.loads((Path(__file__).parents[1] / "examples" / "ds_config.json").read_text())
+
+
+def ds_job(tmp_path, block, *launcher_flags, script_flags=()):
+    config = {**CONFIG, "resilience": block} if block is not None else CONFIG
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(config))
+    return run_command([*LAUNCH, "--standalone", "--num_gpus", "4", "--stop-grace-s", "2",
+                        *launcher_flags, SCRIPT, "--steps", "8", "--deepspeed_config",
+                        str(path), *script_flags], timeout_s=300)
+
+
+def trained_losses(result) -> dict[int, str]:
+    """Step -> loss, of the steps that trained (a joiner's catch-up calls print nan)."""
+    losses: dict[int, str] = {}
+    for step, loss in STEP_LINE.findall(result.stdout):
+        if loss != "nan":
+            assert losses.setdefault(int(step), loss) == loss, result.stdout[-3000:]
+    return losses
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """No block, no interruption: the script's own run, on CPU with no patch of its own."""
+    result = ds_job(tmp_path_factory.mktemp("reference"), None, "--max-restarts", "0")
+    assert result.returncode == 0, result.output[-4000:]
+    return result
+
+
+def resilient_job(tmp_path, block, *launcher_flags, script_flags=()):
+    events, summary = tmp_path / "events.jsonl", tmp_path / "summary.json"
+    result = ds_job(tmp_path, block, "--event-log", str(events), "--summary", str(summary),
+                    *launcher_flags, script_flags=script_flags)
+    assert result.returncode == 0, result.output[-5000:]
+    return result, json.loads(summary.read_text()), read_events(events)
+
+
+def test_a_migration_and_a_sigkill_continue_in_place_with_the_failure_free_result(
+        tmp_path, reference):
+    """Rank 3 (last stage: it reads the labels) migrates; then rank 0 (first stage: it reads
+    the tokens) is killed. Each joiner's script catches up through the steps it missed and
+    trains on from the job's iteration."""
+    result, summary, events = resilient_job(tmp_path, {"peer_copy": True, "standbys": 2},
+                                            "--inject-migration", "3:3",
+                                            "--inject-failure", "0:6")
+    assert digest(result) == digest(reference)
+    assert trained_losses(result) == trained_losses(reference)
+    assert len(trained_losses(result)) == 8
+    kinds = [(i["kind"], i["rank"], i["recovery"]) for i in summary["interruptions"]]
+    assert kinds == [("migration", 3, "standby"), ("failure", 0, "standby")]
+    assert summary["restarts"] == 0
+    (leaver,) = [e for e in events if e["event"] == "leaver_exit"]
+    assert leaver["rank"] == 3 and leaver["how"] == "exit code 0"
+    assert not [e for e in events if e["event"] == "rolled_back"]
+    joiners = [(e["rank"], e["generation"]) for e in events
+               if e["event"] == "switched" and e["role"] == "joiner"]
+    assert joiners == [(3, 1), (0, 2)]
+    assert "rank 0 joined at iteration 6; its script catches up from 0" in result.output
+
+
+def test_without_a_peer_copy_the_job_restarts_from_the_scripts_checkpoint(tmp_path,
+                                                                         reference):
+    """ZeRO-1 loses rank 1's optimizer shard with it: the script's loop cannot go back in
+    place, so the job restarts and the script resumes from its own checkpoint of step 4."""
+    checkpoints = str(tmp_path / "checkpoints")
+    result, summary, events = resilient_job(
+        tmp_path, {"standbys": 1}, "--inject-failure", "1:6",
+        script_flags=["--save", checkpoints, "--load", checkpoints, "--save-interval", "2"])
+    assert digest(result) == digest(reference)
+    assert trained_losses(result) == trained_losses(reference)
+    assert summary["restarts"] == 1
+    assert "an unmodified script's loop cannot go back to a checkpoint in place" in result.output
+    assert not [e for e in events if e["event"] == "rolled_back"]
