@@ -52,7 +52,8 @@ class InterruptionTiming(Unit):
     def handlers(self) -> Mapping[str, EventHandler]:
         return {"injected": self._on_injected, "hung": self._on_hung,
                 "left_step": self._on_left_step, "switched": self._on_switched,
-                "rolled_back": self._on_rolled_back, "started": self._on_started,
+                "rolled_back": self._on_rolled_back, "caught_up": self._on_caught_up,
+                "started": self._on_started,
                 "ready": self._on_ready, "first_step": self._on_first_step}
 
     def when_resumed(self, listener: ResumeListener) -> None:
@@ -174,6 +175,14 @@ class InterruptionTiming(Unit):
             item.rolled_back_to = event["iteration"]
             logger.info("rolled back to the checkpoint of step %d: %s", event["iteration"],
                         event["reason"])
+        return None
+
+    def _on_caught_up(self, event: Event) -> Optional[int]:
+        """A joiner of an unmodified DeepSpeed script ran its script's loop through the steps
+        the job trained before it came (mover_plugin.deepspeed.drop_in)."""
+        self._ctx.record("caught_up", "switch", generation=event["generation"],
+                         rank=event["rank"], when=event["time"], steps=event["steps"],
+                         catch_up_s=event["catch_up_s"])
         return None
 
     # -- a restart and the first steps after any interruption -------------------------------

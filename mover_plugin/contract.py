@@ -203,6 +203,8 @@ EVENTS: Mapping[str, EventSchema] = {
     "switched": EventSchema({"rank": int, "generation": int}, from_agent=False),
     "rolled_back": EventSchema({"rank": int, "generation": int, "iteration": int,
                                 "reason": str, "load_s": NUMBER}, from_agent=False),
+    "caught_up": EventSchema({"rank": int, "generation": int, "steps": int,
+                              "catch_up_s": NUMBER}, from_agent=False),
     "prepared": EventSchema({"rank": int, "generation": int}, from_agent=False),
     "peer_copy": EventSchema({"rank": int, "generation": int, "bytes": int,
                               "critical_s": NUMBER, "exchanges": int}, from_agent=False),

@@ -76,6 +76,8 @@ def test_a_migration_and_a_sigkill_continue_in_place_with_the_failure_free_resul
                      result.output)
     # The joiners' catch-up calls print nan for the steps the job trained before they came.
     assert len(STEP_LINE.findall(result.stdout)) > 8
+    caught_up = [(e["rank"], e["steps"]) for e in events if e["event"] == "caught_up"]
+    assert [rank for rank, _ in caught_up] == [3, 0] and all(s > 0 for _, s in caught_up)
 
 
 def test_without_a_peer_copy_the_job_restarts_from_the_scripts_checkpoint(tmp_path,

@@ -99,6 +99,8 @@ class DropIn(DeepSpeedHooks):
         self._behind = 0
         """``train_batch`` calls a joiner's script still has to catch up on."""
         self._attempted = -1
+        self._catch_up_began = (0, 0.0)
+        """A joiner's catch-up: the calls it had to make, and when it began."""
 
     # -- hook points ----------------------------------------------------------------------
 
@@ -138,8 +140,7 @@ class DropIn(DeepSpeedHooks):
         if self._behind > 0:
             return self._catch_up(data_iter)
         if self._local is not None:
-            self._local.revert()
-            self._local = None
+            self._end_catch_up()
         source = self._replayable(data_iter)
         iteration = self._iteration
         progress = resilience.progress
@@ -169,9 +170,22 @@ class DropIn(DeepSpeedHooks):
         self._behind = self._iteration - started_at
         if resilience.runtime.joiner_of is not None and self._behind > 0:
             self._local = apply_patches(_LOCAL_COLLECTIVES)
+            self._catch_up_began = (self._behind, time.perf_counter())
             logger.warning("rank %d joined at iteration %d; its script catches up from %d",
                            resilience.runtime.rank, self._iteration, started_at)
         resilience.progress.ready(self._iteration)
+
+    def _end_catch_up(self) -> None:
+        """The joiner's script reached the job's iteration: its collectives reach the job
+        again, and the controller hears how long the catch-up took (the running ranks wait
+        for it in their first collective with the joiner)."""
+        assert self._local is not None and self.resilience is not None
+        self._local.revert()
+        self._local = None
+        steps, started = self._catch_up_began
+        runtime = self.resilience.runtime
+        runtime.control.post("caught_up", rank=runtime.rank, steps=steps,
+                             catch_up_s=time.perf_counter() - started)
 
     def _catch_up(self, data_iter: Any) -> Any:
         """A call the joiner's script makes for an iteration the job has trained: draws and
