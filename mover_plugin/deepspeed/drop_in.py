@@ -60,6 +60,11 @@ from mover_plugin.runtime.replay import ReplayableIterator
 logger = logging.getLogger(__name__)
 
 _LOCAL_COLLECTIVES = ("local-collectives", "deepspeed-local-collectives")
+"""A joiner's collectives while it builds its engine: torch.distributed's, and the references
+DeepSpeed's backend took to two of them."""
+_CATCH_UP_LOCAL = "local-collectives"
+"""While its script catches up: the collectives a script makes between two calls go through
+torch.distributed (the engine's own are not run)."""
 
 
 def after_deepspeed_import() -> None:
@@ -169,7 +174,7 @@ class DropIn(DeepSpeedHooks):
         self._iteration = resilience.first_iteration(started_at=started_at)
         self._behind = self._iteration - started_at
         if resilience.runtime.joiner_of is not None and self._behind > 0:
-            self._local = apply_patches(_LOCAL_COLLECTIVES)
+            self._local = apply_patches(_CATCH_UP_LOCAL)
             self._catch_up_began = (self._behind, time.perf_counter())
             logger.warning("rank %d joined at iteration %d; its script catches up from %d",
                            resilience.runtime.rank, self._iteration, started_at)

@@ -40,6 +40,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--engine-loader", action="store_true",
                         help="hand the dataset to deepspeed.initialize (training_data) and call "
                              "train_batch() without an iterator; no --load then")
+    parser.add_argument("--loader-workers", type=int, default=0,
+                        help="worker processes of the script's own DataLoader")
+    parser.add_argument("--spawn-workers", action="store_true",
+                        help="start the loader's workers with 'spawn' instead of 'fork'")
     parser.add_argument("--local_rank", type=int, default=-1)
     return deepspeed.add_config_arguments(parser).parse_args()
 
@@ -98,7 +102,7 @@ def main() -> None:
     if args.load and os.path.exists(os.path.join(args.load, "latest")):
         engine.load_checkpoint(args.load)
         start = engine.global_steps
-    batches = None if args.engine_loader else iter(RepeatingLoader(data_loader(engine)))
+    batches = None if args.engine_loader else iter(RepeatingLoader(data_loader(engine, args)))
     for _ in range(start * engine.gradient_accumulation_steps()):
         next(batches)  # resume where the checkpoint's step left the data
     for step in range(start, args.steps):
@@ -111,12 +115,14 @@ def main() -> None:
     dist.destroy_process_group()
 
 
-def data_loader(engine) -> DataLoader:
+def data_loader(engine, args: argparse.Namespace) -> DataLoader:
     grid = engine.grid
     sampler = DistributedSampler(dataset(), num_replicas=grid.get_data_parallel_world_size(),
                                  rank=grid.get_data_parallel_rank(), shuffle=False)
+    context = "spawn" if args.spawn_workers and args.loader_workers else None
     return DataLoader(sampler.dataset, batch_size=engine.train_micro_batch_size_per_gpu(),
-                      sampler=sampler, drop_last=True)
+                      sampler=sampler, drop_last=True, num_workers=args.loader_workers,
+                      multiprocessing_context=context)
 
 
 def report_digest(engine) -> None:
