@@ -131,8 +131,8 @@ class DropIn(DeepSpeedHooks):
         self.resilience.attach(engine, load=_no_rollback_in_place)
         train_batch, save, evaluate = engine.train_batch, engine.save_checkpoint, engine.eval_batch
         engine.train_batch = lambda data_iter=None: self._train_batch(train_batch, data_iter)
-        engine.save_checkpoint = self._unless_behind(save, True)
-        engine.eval_batch = self._unless_behind(evaluate, _nan())
+        engine.save_checkpoint = self._unless_catching_up(save, True)
+        engine.eval_batch = self._unless_catching_up(evaluate, _nan())
         return result
 
     # -- the engine's calls ---------------------------------------------------------------
@@ -212,9 +212,17 @@ class DropIn(DeepSpeedHooks):
             return source
         return ReplayableIterator(source)
 
-    def _unless_behind(self, method: Callable[..., Any], instead: Any) -> Callable[..., Any]:
+    @property
+    def _catching_up(self) -> bool:
+        """A joiner's script is still in a step the job trained before it came: from its
+        first ``train_batch`` until its first real one (the loop body after its last catch-up
+        call included)."""
+        return self._iteration is not None and self._local is not None
+
+    def _unless_catching_up(self, method: Callable[..., Any],
+                            instead: Any) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
-            return instead if self._behind > 0 else method(*args, **kwargs)
+            return instead if self._catching_up else method(*args, **kwargs)
 
         return call
 
