@@ -54,11 +54,6 @@ class DeepSpeedHooks:
 _HOOKS: HookPoints[DeepSpeedHooks] = HookPoints(GROUP, "DeepSpeed hooks")
 
 
-def installed_hooks() -> DeepSpeedHooks:
-    """The hooks object the patched hook points call."""
-    return _HOOKS.installed()
-
-
 def install_hooks(hooks: DeepSpeedHooks) -> AppliedPatches:
     """Points every hook point at ``hooks``; ``revert()`` of the result takes them out."""
     return _HOOKS.install(hooks)

@@ -651,9 +651,7 @@ def test_megatron_lm_hooks_pass_through_and_revert() -> None:
         "install_hooks(MegatronLMHooks()).revert()\n"
         "print('REVERTED')\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=180)
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = _run_in_child(code)
     assert "EXTRA 3 2" in result.stdout and "REVERTED" in result.stdout
 
 
@@ -687,12 +685,19 @@ def test_deepspeed_hooks_see_every_entry_point_and_revert() -> None:
         " == originals\n"
         "print('REVERTED')\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=180)
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = _run_in_child(code)
     assert "TWICE DeepSpeed hooks are installed already; revert them first" in result.stdout
     assert "RESULT engine" in result.stdout and "REVERTED" in result.stdout
     seen = result.stdout.split("SEEN ", 1)[1].splitlines()[0]
     assert seen == ("[('init', True, {'dist_backend': 'gloo'}), "
                     "('init', True, {'dist_backend': 'gloo'}), "
                     "('initialize', True, {'model': None, 'config': {}})]")
+
+
+def _run_in_child(code: str) -> subprocess.CompletedProcess:
+    """Runs ``code`` in a fresh interpreter (patches of imported frameworks stay out of this
+    one); fails the test unless it exits 0."""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
