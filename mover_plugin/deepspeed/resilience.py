@@ -205,7 +205,9 @@ class DeepSpeedResilience:
         for a joiner, what the live ranks continue from."""
         if self.runtime.joiner_of is not None:
             return self.runtime.join()
-        return self.runtime.begin(self._load() or 0 if started_at is None else started_at)
+        if started_at is None:
+            started_at = self._load() or 0
+        return self.runtime.begin(started_at)
 
     def run_step(self, iteration: int, step: Callable[[int], Any]) -> tuple[Any, int]:
         """See :meth:`ResilienceRuntime.run_step`."""
