@@ -88,6 +88,16 @@ def test_mover_launch_takes_policy_and_standbys_from_the_block(tmp_path):
         parse_launch_args(["--policy", "resilient", *script, plain], "py")
 
 
+def test_zero_stage_3_with_an_enabled_block_is_refused_before_anything_starts(tmp_path):
+    script = ["tests/scripts/ds_dp_train.py", "--deepspeed_config"]
+    stage_3 = write_config(tmp_path, resilience={}, zero_optimization={"stage": 3})
+    with pytest.raises(ConfigError, match='"zero_optimization.stage" 3 cannot run with an '
+                       r'enabled "resilience" block; supported stages: \[0, 1, 2\]'):
+        parse_launch_args(["--num_gpus", "4", *script, stage_3], "py")
+    off = write_config(tmp_path, resilience={"enabled": False}, zero_optimization={"stage": 3})
+    assert load_ds_config(off)[1] is not None
+
+
 def record(applied, updating=False, held_of=-1, held_version=-1):
     return {"applied": applied, "updating": updating, "held_of": held_of,
             "held_version": held_version}

@@ -1,7 +1,9 @@
-"""An unmodified DeepSpeed pipeline script (tests/scripts/ds_pipe_train.py: DeepSpeed's and
-PyTorch's API only) under mover-launch, PP2 x DP2 with ZeRO-1 on CPU: the CPU patches come from
-the launch path, and the ``"resilience"`` block alone gives it real SIGKILL recovery and a real
-migration, each ending with the failure-free PARAMS_DIGEST."""
+"""Unmodified DeepSpeed scripts (DeepSpeed's and PyTorch's API only) under mover-launch on CPU:
+a pipeline script (tests/scripts/ds_pipe_train.py, PP2 x DP2, ZeRO-1, ``train_batch``) and a
+data-parallel one (tests/scripts/ds_dp_train.py, DP4, ZeRO-2, ``engine(batch)``/``backward``/
+``step`` with two accumulation steps). The CPU patches come from the launch path, and the
+``"resilience"`` block alone gives each real SIGKILL recovery and a real migration, each ending
+with the failure-free PARAMS_DIGEST."""
 
 import json
 import re
@@ -12,16 +14,18 @@ import pytest
 from gpt_jobs import LAUNCH, STEP_LINE, digest, read_events
 from mover_plugin.testing import run_command
 
-SCRIPT = str(Path(__file__).parent / "scripts" / "ds_pipe_train.py")
+SCRIPTS = Path(__file__).parent / "scripts"
+PIPELINE, DATA_PARALLEL = str(SCRIPTS / "ds_pipe_train.py"), str(SCRIPTS / "ds_dp_train.py")
 CONFIG = json.loads((Path(__file__).parents[1] / "examples" / "ds_config.json").read_text())
+ZERO_2 = {**CONFIG, "zero_optimization": {"stage": 2}}
 
 
-def ds_job(tmp_path, block, *launcher_flags, script_flags=()):
-    config = {**CONFIG, "resilience": block} if block is not None else CONFIG
+def ds_job(tmp_path, block, *launcher_flags, script_flags=(), script=PIPELINE, config=CONFIG):
+    config = {**config, "resilience": block} if block is not None else config
     path = tmp_path / "ds_config.json"
     path.write_text(json.dumps(config))
     return run_command([*LAUNCH, "--standalone", "--num_gpus", "4", "--stop-grace-s", "2",
-                        *launcher_flags, SCRIPT, "--steps", "8", "--deepspeed_config",
+                        *launcher_flags, script, "--steps", "8", "--deepspeed_config",
                         str(path), *script_flags], timeout_s=300)
 
 
@@ -42,10 +46,18 @@ def reference(tmp_path_factory):
     return result
 
 
-def resilient_job(tmp_path, block, *launcher_flags, script_flags=()):
+@pytest.fixture(scope="module")
+def data_parallel_reference(tmp_path_factory):
+    result = ds_job(tmp_path_factory.mktemp("dp-reference"), None, "--max-restarts", "0",
+                    script=DATA_PARALLEL, config=ZERO_2)
+    assert result.returncode == 0, result.output[-4000:]
+    return result
+
+
+def resilient_job(tmp_path, block, *launcher_flags, **job):
     events, summary = tmp_path / "events.jsonl", tmp_path / "summary.json"
     result = ds_job(tmp_path, block, "--event-log", str(events), "--summary", str(summary),
-                    *launcher_flags, script_flags=script_flags)
+                    *launcher_flags, **job)
     assert result.returncode == 0, result.output[-5000:]
     return result, json.loads(summary.read_text()), read_events(events)
 
@@ -79,16 +91,43 @@ def test_a_migration_and_a_sigkill_continue_in_place_with_the_failure_free_resul
     assert [rank for rank, _ in caught_up] == [3, 0] and all(s > 0 for _, s in caught_up)
 
 
-def test_without_a_peer_copy_the_job_restarts_from_the_scripts_checkpoint(tmp_path,
-                                                                         reference):
-    """ZeRO-1 loses rank 1's optimizer shard with it: the script's loop cannot go back in
+def test_a_data_parallel_script_recovers_a_sigkill_inside_an_iteration_and_a_migration(
+        tmp_path, data_parallel_reference):
+    """ZeRO-2 with two accumulation steps: rank 3 migrates, then rank 0 is SIGKILLed as it
+    begins step 6. The survivors are inside that iteration (ZeRO-2 reduces in every backward),
+    redo its micro-batches from their records, and their scripts' calls return as if nothing
+    happened; the joiners catch up through the steps they missed."""
+    result, summary, events = resilient_job(tmp_path, {"peer_copy": True, "standbys": 2},
+                                            "--inject-migration", "3:3",
+                                            "--inject-failure", "0:6",
+                                            script=DATA_PARALLEL, config=ZERO_2)
+    assert digest(result) == digest(data_parallel_reference)
+    assert trained_losses(result) == trained_losses(data_parallel_reference)
+    assert len(trained_losses(result)) == 8
+    kinds = [(i["kind"], i["rank"], i["recovery"]) for i in summary["interruptions"]]
+    assert kinds == [("migration", 3, "standby"), ("failure", 0, "standby")]
+    assert summary["restarts"] == 0
+    assert not [e for e in events if e["event"] == "rolled_back"]
+    redone = re.findall(r"rank (\d) redoes iteration 5: (\d) micro-batch", result.output)
+    assert sorted(rank for rank, _ in redone) == ["1", "2", "3"], result.output[-4000:]
+    assert all(int(begun) >= 1 for _, begun in redone)
+    caught_up = [(e["rank"], e["steps"]) for e in events if e["event"] == "caught_up"]
+    assert [rank for rank, _ in caught_up] == [3, 0] and all(s > 0 for _, s in caught_up)
+    # The joiner's catch-up returned NaN outputs, so its script's loss lines read nan.
+    assert re.search(r"^step 1/8 \| loss nan$", result.stdout, re.MULTILINE)
+
+
+def test_without_a_peer_copy_the_job_restarts_from_the_scripts_checkpoint(
+        tmp_path, data_parallel_reference):
+    """ZeRO-2 loses rank 1's optimizer shard with it: the script's loop cannot go back in
     place, so the job restarts and the script resumes from its own checkpoint of step 4."""
     checkpoints = str(tmp_path / "checkpoints")
     result, summary, events = resilient_job(
-        tmp_path, {"standbys": 1}, "--inject-failure", "1:6",
+        tmp_path, {"standbys": 1}, "--inject-failure", "1:6", script=DATA_PARALLEL,
+        config=ZERO_2,
         script_flags=["--save", checkpoints, "--load", checkpoints, "--save-interval", "2"])
-    assert digest(result) == digest(reference)
-    assert trained_losses(result) == trained_losses(reference)
+    assert digest(result) == digest(data_parallel_reference)
+    assert trained_losses(result) == trained_losses(data_parallel_reference)
     assert summary["restarts"] == 1
     assert "an unmodified script's loop cannot go back to a checkpoint in place" in result.output
     assert not [e for e in events if e["event"] == "rolled_back"]

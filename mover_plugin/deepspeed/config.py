@@ -107,7 +107,25 @@ def load_ds_config(path: str) -> tuple[dict[str, Any], Optional[DeepSpeedResilie
     (None when absent)."""
     config = read_config(path)
     block = config.pop(BLOCK, None)
-    return config, None if block is None else parse_block(block, os.path.basename(path))
+    if block is None:
+        return config, None
+    checked = parse_block(block, os.path.basename(path))
+    if checked.enabled:
+        _check_zero_stage(config, os.path.basename(path))
+    return config, checked
+
+
+SUPPORTED_ZERO_STAGES = (0, 1, 2)
+
+
+def _check_zero_stage(config: Mapping[str, Any], where: str) -> None:
+    """ZeRO stage 3 partitions the parameters too; the runtime does not recover them yet."""
+    zero = config.get("zero_optimization") or {}
+    stage = zero.get("stage", 0) if isinstance(zero, Mapping) else 0
+    if stage not in SUPPORTED_ZERO_STAGES:
+        raise ConfigError(f'{where}: "zero_optimization.stage" {stage!r} cannot run with an '
+                          f'enabled "{BLOCK}" block; supported stages: '
+                          f"{list(SUPPORTED_ZERO_STAGES)}")
 
 
 def config_path_in(script_args: Sequence[str]) -> Optional[str]:

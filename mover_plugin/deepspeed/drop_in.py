@@ -14,29 +14,37 @@ the same runtime as a script written against the API
   DeepSpeed's backend. A joiner's collectives stay local from here until its first iteration
   (``local-collectives``): its start-up's collectives have no partner in a running job, and
   what they produce is replaced by the state it receives.
-- ``deepspeed.initialize``: the engine's grid covers WORLD, its optimizer update waits for the
-  commit, and its ``train_batch``, ``save_checkpoint`` and ``eval_batch`` are wrapped. DeepSpeed
-  ignores the ``"resilience"`` key of its config.
-- ``engine.train_batch``: one iteration through the runtime's ``run_step``; the job's
-  iteration is the engine's ``global_steps``. The micro-batches a call draws (from the iterator
-  it is given, or the engine's own from ``training_data``) are recorded
+- ``deepspeed.initialize``: the engine's groups cover WORLD (a pipeline engine's grid, a
+  data-parallel engine's data-parallel group), its optimizer update waits for the commit, and
+  its training calls and ``save_checkpoint`` (and a pipeline engine's ``eval_batch``) are
+  wrapped. DeepSpeed ignores the ``"resilience"`` key of its config.
+- A pipeline engine's ``train_batch``: one iteration through the runtime's ``run_step``; the
+  job's iteration is the engine's ``global_steps``. The micro-batches a call draws (from the
+  iterator it is given, or the engine's own from ``training_data``) are recorded
   (:class:`~mover_plugin.runtime.replay.ReplayableIterator`), so a redone iteration is fed the
-  same ones. A planned switch happens at the start of a ``train_batch``, so that the leaver,
-  not the joiner, takes part in whatever collectives the script runs between two calls.
-- **A joiner** receives its state from a live rank at its first ``train_batch``. Its script
-  started its loop from what its own start-up loaded (``global_steps`` then, ``g0``), so it is
-  ``T - g0`` calls behind the job's iteration ``T``. Those calls fast-forward: each draws and
-  drops the micro-batches its stage would have read, trains nothing and returns a NaN loss,
-  and ``save_checkpoint`` and ``eval_batch`` do nothing meanwhile; its collectives stay local.
-  So the script's loop and data are where the lost rank's were when the joiner trains.
+  same ones.
+- A data-parallel engine's ``engine(batch)``, ``backward`` and ``step``: an iteration runs
+  from its first ``forward`` to the ``step`` on the accumulation boundary, and a lost peer in
+  any of its calls is recovered inside that call, the iteration's earlier calls redone from
+  what was recorded at them (:mod:`mover_plugin.deepspeed.data_parallel`).
+- A planned switch happens at the start of an iteration (a ``train_batch``, or the first
+  ``forward``), so that the leaver, not the joiner, takes part in whatever collectives the
+  script runs between two iterations.
+- **A joiner** receives its state from a live rank at its first iteration. Its script started
+  its loop from what its own start-up loaded (``global_steps`` then, ``g0``), so it is
+  ``T - g0`` iterations behind the job's iteration ``T``. Those iterations fast-forward: a
+  ``train_batch`` draws and drops the micro-batches its stage would have read and returns a NaN
+  loss; a ``forward`` returns NaN outputs, and ``backward`` and ``step`` train nothing;
+  ``save_checkpoint`` and ``eval_batch`` do nothing meanwhile; its collectives stay local. So
+  the script's loop and data are where the lost rank's were when the joiner trains.
 
-Limits: pipeline engines (a ``PipelineModule`` and ``train_batch``); a lost rank is recovered in
-place when a live peer holds a copy of its optimizer shard (``"peer_copy": true``); otherwise the
-job restarts and the script resumes from its own checkpoint, because an unmodified script's loop
-cannot go back in place. The script must call
-``train_batch`` once per iteration, read its data in the same order on every start (a replay
-of the same loader from the step its checkpoint holds), and run no collective of its own
-between two calls that a lost peer could leave hanging.
+Limits: ZeRO stage 0, 1 or 2 (stage 3 is refused before the job starts); a lost rank is
+recovered in place when a live peer holds a copy of its optimizer shard (``"peer_copy":
+true``); otherwise the job restarts and the script resumes from its own checkpoint, because an
+unmodified script's loop cannot go back in place. The script must read its data in the same
+order on every start (a replay of the same loader from the step its checkpoint holds), run no
+collective of its own between two calls that a lost peer could leave hanging, and, with a
+data-parallel engine, call ``engine.backward(loss)`` (not ``loss.backward()``).
 """
 
 from __future__ import annotations
@@ -52,6 +60,8 @@ import torch
 from mover_plugin.contract import CONTROL_ADDR_ENV
 from mover_plugin.deepspeed.config import DeepSpeedResilience as ResilienceBlock
 from mover_plugin.deepspeed.config import config_path_in, load_ds_config
+from mover_plugin.deepspeed.data_parallel import DataParallelCalls
+from mover_plugin.deepspeed.engine_state import is_pipeline_engine
 from mover_plugin.deepspeed.resilience import DeepSpeedResilience
 from mover_plugin.patches import AppliedPatches, apply_inactive_patches, apply_patches
 from mover_plugin.patches.deepspeed_hooks import DeepSpeedHooks, install_hooks
@@ -99,9 +109,9 @@ class DropIn(DeepSpeedHooks):
         self.resilience: Optional[DeepSpeedResilience] = None
         self._local: Optional[AppliedPatches] = None
         self._engine: Any = None
-        self._iteration: Optional[int] = None
+        self.iteration: Optional[int] = None
         """The next iteration this rank trains; None before its first ``train_batch``."""
-        self._behind = 0
+        self.behind = 0
         """``train_batch`` calls a joiner's script still has to catch up on."""
         self._attempted = -1
         self._catch_up_began = (0, 0.0)
@@ -129,10 +139,13 @@ class DropIn(DeepSpeedHooks):
         engine = self._engine = result[0]
         self.resilience.adopt_engine(engine)
         self.resilience.attach(engine, load=_no_rollback_in_place)
-        train_batch, save, evaluate = engine.train_batch, engine.save_checkpoint, engine.eval_batch
-        engine.train_batch = lambda data_iter=None: self._train_batch(train_batch, data_iter)
-        engine.save_checkpoint = self._unless_catching_up(save, True)
-        engine.eval_batch = self._unless_catching_up(evaluate, _nan())
+        engine.save_checkpoint = self._unless_catching_up(engine.save_checkpoint, True)
+        if is_pipeline_engine(engine):
+            train_batch, evaluate = engine.train_batch, engine.eval_batch
+            engine.train_batch = lambda data_iter=None: self._train_batch(train_batch, data_iter)
+            engine.eval_batch = self._unless_catching_up(evaluate, _nan())
+        else:
+            DataParallelCalls(self, engine)
         return result
 
     # -- the engine's calls ---------------------------------------------------------------
@@ -140,14 +153,14 @@ class DropIn(DeepSpeedHooks):
     def _train_batch(self, train_batch: Callable[..., Any], data_iter: Any) -> Any:
         resilience = self.resilience
         assert resilience is not None
-        if self._iteration is None:
-            self._start()
-        if self._behind > 0:
+        if self.iteration is None:
+            self.start_training()
+        if self.behind > 0:
             return self._catch_up(data_iter)
-        if self._local is not None:
-            self._end_catch_up()
+        if self.catching_up:
+            self.end_catch_up()
         source = self._replayable(data_iter)
-        iteration = self._iteration
+        iteration = self.iteration
         progress = resilience.progress
         progress.step_begin(iteration + 1)
         started = time.perf_counter()
@@ -158,11 +171,11 @@ class DropIn(DeepSpeedHooks):
             self._attempted = iteration
             return train_batch(data_iter=source)
 
-        loss, self._iteration = resilience.run_step(iteration, step)
-        progress.step_end(self._iteration, time.perf_counter() - started)
+        loss, self.iteration = resilience.run_step(iteration, step)
+        progress.step_end(self.iteration, time.perf_counter() - started)
         return _nan() if loss is None else loss
 
-    def _start(self) -> None:
+    def start_training(self) -> None:
         """At the first ``train_batch``: a rank that started with the job begins at the
         engine's step count; a joiner receives its state and how far behind its script is."""
         resilience, engine = self.resilience, self._engine
@@ -171,16 +184,16 @@ class DropIn(DeepSpeedHooks):
         if self._local is not None:  # the state comes over the job's groups
             self._local.revert()
             self._local = None
-        self._iteration = resilience.first_iteration(started_at=started_at)
-        self._behind = self._iteration - started_at
-        if resilience.runtime.joiner_of is not None and self._behind > 0:
+        self.iteration = resilience.first_iteration(started_at=started_at)
+        self.behind = self.iteration - started_at
+        if resilience.runtime.joiner_of is not None and self.behind > 0:
             self._local = apply_patches(_CATCH_UP_LOCAL)
-            self._catch_up_began = (self._behind, time.perf_counter())
+            self._catch_up_began = (self.behind, time.perf_counter())
             logger.warning("rank %d joined at iteration %d; its script catches up from %d",
-                           resilience.runtime.rank, self._iteration, started_at)
-        resilience.progress.ready(self._iteration)
+                           resilience.runtime.rank, self.iteration, started_at)
+        resilience.progress.ready(self.iteration)
 
-    def _end_catch_up(self) -> None:
+    def end_catch_up(self) -> None:
         """The joiner's script reached the job's iteration: its collectives reach the job
         again, and the controller hears how long the catch-up took (the running ranks wait
         for it in their first collective with the joiner)."""
@@ -196,7 +209,7 @@ class DropIn(DeepSpeedHooks):
         """A call the joiner's script makes for an iteration the job has trained: draws and
         drops the micro-batches its stage would have read."""
         engine = self._engine
-        self._behind -= 1
+        self.behind -= 1
         if data_iter is not None:
             engine.set_dataiterator(data_iter)
         if engine.data_iterator is not None:
@@ -213,16 +226,16 @@ class DropIn(DeepSpeedHooks):
         return ReplayableIterator(source)
 
     @property
-    def _catching_up(self) -> bool:
+    def catching_up(self) -> bool:
         """A joiner's script is still in a step the job trained before it came: from its
         first ``train_batch`` until its first real one (the loop body after its last catch-up
         call included)."""
-        return self._iteration is not None and self._local is not None
+        return self.iteration is not None and self._local is not None
 
     def _unless_catching_up(self, method: Callable[..., Any],
                             instead: Any) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
-            return instead if self._catching_up else method(*args, **kwargs)
+            return instead if self.catching_up else method(*args, **kwargs)
 
         return call
 

@@ -1,6 +1,6 @@
-"""What a DeepSpeed pipeline engine holds, from the resilience runtime's point of view.
+"""What a DeepSpeed engine holds, from the resilience runtime's point of view.
 
-- :func:`shard_tensors`: a rank's own ZeRO stage-1 optimizer shard — for each parameter group
+- :func:`shard_tensors`: a rank's own ZeRO stage-1/2 optimizer shard — for each parameter group
   the fp32 master partition and the optimizer's state of it (Adam's step, first and second
   moments) — as a list of live tensors, in a fixed order, equal in shapes on every rank of a
   data-parallel group (ZeRO pads the partitions to one size). A fresh optimizer has no state
@@ -10,11 +10,13 @@
 - :func:`counters` / :func:`restore_counters`: the engine's step counters;
   :func:`hyperparameters` / :func:`set_hyperparameters`: the optimizer's parameter-group
   settings, which the learning-rate scheduler sets after each update.
-- :func:`reset_interrupted_step`: what a ``train_batch`` that was left in the middle leaves
-  behind — accumulated gradients, ZeRO's reduction buckets and bookkeeping, the pipeline's
-  activation-shape handshake — cleared, so the iteration can be run again.
+- :func:`reset_interrupted_step`: what an iteration that was left in the middle leaves
+  behind — accumulated gradients, ZeRO's reduction buckets, its stage-2 partition buffer and
+  backward bookkeeping, the pipeline's activation-shape handshake — cleared, so the iteration
+  can be run again.
 
-Written for DeepSpeed 0.19.8's ``DeepSpeedZeroOptimizer`` and ``PipelineEngine``.
+Written for DeepSpeed 0.19.8's ``DeepSpeedZeroOptimizer``, ``DeepSpeedEngine`` and
+``PipelineEngine``.
 """
 
 from __future__ import annotations
@@ -25,6 +27,21 @@ import torch
 
 _COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")
 _ADAM_STATE = ("step", "exp_avg", "exp_avg_sq")
+
+
+def is_pipeline_engine(engine: Any) -> bool:
+    """Whether ``engine`` is a pipeline engine (a ``PipelineModule``, ``train_batch``) rather
+    than a data-parallel one (``engine(batch)``, ``backward``, ``step``)."""
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    return isinstance(engine, PipelineEngine)
+
+
+def data_parallel_group(engine: Any) -> Any:
+    """The group over which ``engine`` reduces gradients and shards its optimizer."""
+    if is_pipeline_engine(engine):
+        return engine.grid.get_data_parallel_group()
+    return engine.data_parallel_group
 
 
 def zero_optimizer(engine: Any) -> Any:
@@ -99,7 +116,8 @@ def reset_interrupted_step(engine: Any) -> None:
     engine.optimizer.zero_grad(set_to_none=True)
     for parameter in engine.module.parameters():
         parameter.grad = None
-    engine.reset_activation_shape()
+    if is_pipeline_engine(engine):
+        engine.reset_activation_shape()
     for timer in engine.timers.timers.values():
         timer.reset()
 
@@ -121,3 +139,16 @@ def _reset_zero_reduction(zero: Any) -> None:
     for partition in zero.single_partition_of_fp32_groups:
         partition.grad = None
     zero.micro_step_id = INITIAL_MICRO_STEP_ID
+    # ZeRO-2 accumulates each micro-batch's reduced gradients into a buffer of its partition,
+    # and tracks the backward it is in: back to the state before the iteration's first one.
+    zero._release_ipg_buffers()
+    if zero.partition_gradients:
+        zero.reset_partition_gradient_structures()
+    hooks = zero._backward_hook_state
+    hooks.backward_active_depth = 0
+    hooks.remaining_grad_acc_hooks = 0
+    hooks.reset_for_new_step()
+    zero._epilogue_ran_this_backward = False
+    for group in zero.bit16_groups:
+        for parameter in group:
+            parameter.grad_accum = None

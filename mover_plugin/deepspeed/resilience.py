@@ -1,4 +1,4 @@
-"""The resilience runtime of a DeepSpeed pipeline training process (a ``"resilience"`` block).
+"""The resilience runtime of a DeepSpeed training process (a ``"resilience"`` block).
 
 Same controller, agent, generations and step protocol as the Megatron path
 (:mod:`mover_plugin.runtime.resilience`); this adapter (:mod:`mover_plugin.runtime.adapter`)
@@ -8,10 +8,11 @@ knows the DeepSpeed side:
   DeepSpeed makes afterwards (``PipelineModule``'s grid, the engine's, ZeRO's) is one too. After
   a switch the references DeepSpeed caches are rewritten: the engine (and through it the module,
   its grid and the ZeRO optimizer) and the module globals of ``deepspeed.utils.groups`` and
-  ``deepspeed.runtime.pipe.p2p``. Once the engine is built, WORLD is covered by the grid's
-  model-parallel and data-parallel groups (:mod:`mover_plugin.comm.world`), so pipeline
-  point-to-point, which DeepSpeed sends on WORLD by global rank, travels over the pipeline
-  group.
+  ``deepspeed.runtime.pipe.p2p``. Once the engine is built, WORLD is covered by a pipeline
+  engine's grid (its model-parallel and data-parallel groups, :mod:`mover_plugin.comm.world`),
+  so pipeline point-to-point, which DeepSpeed sends on WORLD by global rank, travels over the
+  pipeline group; or by a data-parallel engine's data-parallel group (DeepSpeed's copy of
+  WORLD).
 - **The commit rule.** The WORLD all-reduce runs right before the optimizer changes anything:
   ZeRO's per-group update (after its gradient norm), or the optimizer's ``step`` without ZeRO.
 - **After a crash** every rank posts its record: iterations completed, whether its interrupted
@@ -29,8 +30,8 @@ knows the DeepSpeed side:
   :attr:`DeepSpeedResilience.peer_copy_bytes`) and one exchange per step.
 - **Planned migration**: the leaver sends its parameters, its own shard and the copy it holds.
 
-Limitations: pipeline engines (``PipelineModule``) with ZeRO stage 0 or 1 and an Adam-family
-optimizer; the model must not draw random numbers while training (no dropout) for a rollback
+Limitations: pipeline engines (``PipelineModule``, ZeRO stage 0 or 1) and data-parallel
+engines without model parallelism (ZeRO stage 0, 1 or 2), with an Adam-family optimizer; the model must not draw random numbers while training (no dropout) for a rollback
 to be exact, since DeepSpeed's checkpoints do not hold RNG states (the redo without rollback
 restores them); a standby imports what ``deepspeed.initialize`` would import on first use
 and waits, it does not warm up in a sandbox.
@@ -53,7 +54,9 @@ from mover_plugin.comm.world import cover_world
 from mover_plugin.deepspeed.config import DeepSpeedResilience as ResilienceBlock
 from mover_plugin.deepspeed.engine_state import (
     counters,
+    data_parallel_group,
     ensure_optimizer_state,
+    is_pipeline_engine,
     reset_interrupted_step,
     hyperparameters,
     restore_counters,
@@ -81,7 +84,7 @@ Load = Callable[[], Optional[int]]
 
 
 class DeepSpeedResilience:
-    """The runtime of a DeepSpeed pipeline-engine process.
+    """The runtime of a DeepSpeed training process.
 
     The script calls :meth:`start`, :meth:`initialize_distributed`, :meth:`build_engine`,
     :meth:`attach`, :meth:`first_iteration`, then :meth:`run_step` for every iteration and
@@ -108,6 +111,9 @@ class DeepSpeedResilience:
         self._held_of = -1
         self._held_version = -1
         """The iteration the held copy belongs to (-1: none, or being replaced)."""
+        self._copy_s = 0.0
+        """Seconds the training thread spent exchanging shard copies (the copy's cost)."""
+        self._exchanges = 0
         self.runtime = ResilienceRuntime.connect(block.settings, self)
         self._layout = None if pipeline_parallel_size is None else ParallelLayout.for_world(
             self.runtime.world_size, 1, pipeline_parallel_size)
@@ -163,17 +169,25 @@ class DeepSpeedResilience:
         return engine
 
     def adopt_engine(self, engine: Any) -> None:
-        """Checks that ``engine`` is a pipeline engine and covers WORLD with its grid's groups;
-        the first rank publishes the layout if :meth:`start` was not given it."""
-        grid = getattr(engine, "grid", None)
-        if grid is None:
-            raise LaunchError(f"the resilience runtime needs a pipeline engine (a "
-                              f"PipelineModule given to deepspeed.initialize); got "
-                              f"{type(engine).__name__}")
-        cover_world([grid.get_model_parallel_group(), grid.get_data_parallel_group()])
+        """Covers WORLD with the engine's groups (a pipeline engine's grid; a data-parallel
+        engine's data-parallel group, which must hold every rank); the first rank publishes
+        the layout if :meth:`start` was not given it."""
+        if is_pipeline_engine(engine):
+            grid = engine.grid
+            cover_world([grid.get_model_parallel_group(), grid.get_data_parallel_group()])
+            stages = engine.num_stages
+        else:
+            group = data_parallel_group(engine)
+            if dist.get_world_size(group) != self.runtime.world_size:
+                raise LaunchError(f"the resilience runtime needs a data-parallel engine to be "
+                                  f"data-parallel over every rank; its group has "
+                                  f"{dist.get_world_size(group)} of {self.runtime.world_size} "
+                                  f"(a model-parallel mpu is not supported)")
+            cover_world([group])
+            stages = 1
         if self._layout is None and self.runtime.rank == 0:
             self.runtime.control.publish_layout(
-                ParallelLayout.for_world(self.runtime.world_size, 1, engine.num_stages))
+                ParallelLayout.for_world(self.runtime.world_size, 1, stages))
 
     def attach(self, engine: Any, *, load: Load) -> None:
         """Registers the engine, gates its optimizer update and counts its completed
@@ -191,6 +205,8 @@ class DeepSpeedResilience:
             return update(*args, **kwargs)
 
         setattr(owner, name, gated_update)
+        if not is_pipeline_engine(engine):
+            return  # the drop-in counts a data-parallel engine's iterations at its step
         train_batch = engine.train_batch
 
         def counted_train_batch(*args: Any, **kwargs: Any) -> Any:
@@ -214,6 +230,12 @@ class DeepSpeedResilience:
         return self.runtime.run_step(iteration, step)
 
     def finish(self) -> None:
+        """Training is over: the runtime stops following the job; with the peer copy, the
+        host memory it used is reported (a ``peer_copy`` event)."""
+        if self.peer_copy:
+            self.runtime.control.post("peer_copy", rank=self.runtime.rank,
+                                      bytes=self.peer_copy_bytes, critical_s=self._copy_s,
+                                      exchanges=self._exchanges, time=time.time())
         self.runtime.finish()
 
     @property
@@ -231,12 +253,18 @@ class DeepSpeedResilience:
 
     def _ring(self) -> tuple[Any, int, int]:
         """This rank's data-parallel group and its next and previous global ranks there."""
-        group = self._engine.grid.get_data_parallel_group()
+        group = data_parallel_group(self._engine)
         size, index = dist.get_world_size(group), dist.get_rank(group)
         return (group, dist.get_global_rank(group, (index + 1) % size),
                 dist.get_global_rank(group, (index - 1) % size))
 
     def _exchange_shards(self, version: int) -> None:
+        started = time.perf_counter()
+        self._exchange(version)
+        self._copy_s += time.perf_counter() - started
+        self._exchanges += 1
+
+    def _exchange(self, version: int) -> None:
         group, following, previous = self._ring()
         if following == self.runtime.rank:
             return  # no data-parallel peer
@@ -316,7 +344,7 @@ class DeepSpeedResilience:
     def after_switch(self) -> None:
         # The joiner's engine announces its activation shapes on its first send; every rank
         # does so again, so that each pair of neighbours agrees.
-        if self._engine is not None:
+        if self._engine is not None and is_pipeline_engine(self._engine):
             self._engine.reset_activation_shape()
 
     def teardown(self) -> None:

@@ -348,6 +348,24 @@ class ResilienceRuntime:
         or when every rank rolled back to a checkpoint) and the number of iterations
         completed.
         """
+        snapshot, started = self.open_step()
+        while True:
+            self.ledger.begin(iteration)
+            try:
+                result = (self._own_step or step)(iteration)
+                self.close_step(iteration, started)
+                return result, iteration + 1
+            except Exception as error:  # noqa: BLE001 - filtered in recover_in_step
+                continuation = self.recover_in_step(error, snapshot)
+            if continuation.rolled_back or continuation.iteration != iteration:
+                self.ledger.end()
+                return None, continuation.iteration
+
+    def open_step(self) -> tuple[dict[str, Any], float]:
+        """What comes before an iteration's first attempt (called by :meth:`run_step`, or by
+        an adapter whose iteration spans several calls of the training script): a switch
+        agreed on before it, then the snapshot a redo starts from. Returns the snapshot and
+        the time the iteration began."""
         if self.grow_agreed:
             self._grow_back()
         if self.migration.switch_agreed and self.switch_before_next_step:
@@ -355,26 +373,25 @@ class ResilienceRuntime:
         self.progress.generation = self.generation  # deferred after a planned switch
         if self._await_standbys:
             self._wait_for_standbys()
-        snapshot = self.adapter.capture_snapshot()
-        started = time.time()
-        while True:
-            self.ledger.begin(iteration)
-            try:
-                result = (self._own_step or step)(iteration)
-                self.adapter.after_step(iteration)
-                self.ledger.end()
-                self._last_step_end = time.time()
-                self._last_step_s = self._last_step_end - started
-                if self.migration.switch_agreed and not self.switch_before_next_step:
-                    self.migration.switch_at_boundary(self._last_step_s)
-                return result, iteration + 1
-            except Exception as error:  # noqa: BLE001 - filtered just below
-                self._raise_unless_lost_peer(error)
-                self._leave_step(error)
-            continuation = self._switch_generation(snapshot)
-            if continuation.rolled_back or continuation.iteration != iteration:
-                self.ledger.end()
-                return None, continuation.iteration
+        return self.adapter.capture_snapshot(), time.time()
+
+    def close_step(self, iteration: int, started: float) -> None:
+        """What follows an iteration's successful attempt (the adapter's per-step work, then
+        the planned switch if it is due at this boundary)."""
+        self.adapter.after_step(iteration)
+        self.ledger.end()
+        self._last_step_end = time.time()
+        self._last_step_s = self._last_step_end - started
+        if self.migration.switch_agreed and not self.switch_before_next_step:
+            self.migration.switch_at_boundary(self._last_step_s)
+
+    def recover_in_step(self, error: BaseException, snapshot: dict[str, Any]) -> Continuation:
+        """A failed attempt at an iteration: re-raises ``error`` unless a peer was lost;
+        otherwise switches to the next generation and returns where all ranks continue (the
+        adapter restored ``snapshot`` if the iteration is to be redone)."""
+        self._raise_unless_lost_peer(error)
+        self._leave_step(error)
+        return self._switch_generation(snapshot)
 
     def train_with(self, step: Optional[Callable[[int], Any]]) -> None:
         """From now on every iteration runs ``step`` instead of the script's (the adapter's,
@@ -391,9 +408,7 @@ class ResilienceRuntime:
         two steps (Megatron-LM's logging): the same switch as inside a step, from a completed
         iteration (nothing is redone). Re-raises an error that is not a lost peer; returns
         the iteration all ranks are at."""
-        self._raise_unless_lost_peer(error)
-        self._leave_step(error)
-        return self._switch_generation({}).iteration
+        return self.recover_in_step(error, {}).iteration
 
     def _raise_unless_lost_peer(self, error: BaseException) -> None:
         """Returns if ``error`` comes from a lost peer, as the controller's alarm tells

@@ -20,13 +20,12 @@ import os
 import deepspeed
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from deepspeed.pipe import LayerSpec, PipelineModule
 from deepspeed.utils import RepeatingLoader
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler
 
-VOCAB, HIDDEN, SEQ, SAMPLES = 64, 32, 16, 512
+from tiny_lm import HIDDEN, VOCAB, Block, dataset, next_token_loss
 
 
 def parse_args() -> argparse.Namespace:
@@ -57,17 +56,6 @@ class Embedding(nn.Module):
         return self.tokens(tokens)
 
 
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(HIDDEN)
-        self.mlp = nn.Sequential(nn.Linear(HIDDEN, 2 * HIDDEN), nn.GELU(),
-                                 nn.Linear(2 * HIDDEN, HIDDEN))
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden + self.mlp(self.norm(hidden))
-
-
 class Head(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -75,16 +63,6 @@ class Head(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.output(hidden)
-
-
-def next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
-
-
-def dataset() -> TensorDataset:
-    generator = torch.Generator().manual_seed(1234)
-    tokens = torch.randint(0, VOCAB, (SAMPLES, SEQ + 1), generator=generator)
-    return TensorDataset(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
 
 
 def main() -> None:

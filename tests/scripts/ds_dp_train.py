@@ -1,0 +1,112 @@
+#!/usr/bin/env python
+"""A DeepSpeed user's data-parallel training script: DeepSpeed's and PyTorch's API, nothing else.
+
+``deepspeed.init_distributed``, a small next-token model, ``deepspeed.initialize`` with the
+config named by ``--deepspeed_config`` (any ZeRO stage), a ``DataLoader`` over this rank's share
+of a fixed dataset (``DistributedSampler``, no shuffling), and per step
+``gradient_accumulation_steps`` times ``engine(tokens)``, the loss computed by the script from
+the logits, ``engine.backward(loss)`` and ``engine.step()``; with ``--save``/``--load``,
+DeepSpeed's checkpoints, resuming at the step the checkpoint holds. Rank 0 prints
+``step N/M | loss L`` per step (its micro-batches' mean loss); at the end ``PARAMS_DIGEST
+<hex>``: a SHA-256 of every parameter as rank 0 sees it (gathered at ZeRO stage 3), so equal for
+two runs only if they ended bit-identical.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import os
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler
+
+from tiny_lm import HIDDEN, VOCAB, Block, dataset, next_token_loss
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--save", default=None)
+    parser.add_argument("--load", default=None)
+    parser.add_argument("--save-interval", type=int, default=0)
+    parser.add_argument("--local_rank", type=int, default=-1)
+    return deepspeed.add_config_arguments(parser).parse_args()
+
+
+class NextTokenModel(nn.Module):
+    def __init__(self, layers: int) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(VOCAB, HIDDEN)
+        self.blocks = nn.ModuleList(Block() for _ in range(layers))
+        self.output = nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        hidden = self.embedding(tokens)
+        for block in self.blocks:
+            hidden = block(hidden)
+        return self.output(hidden)
+
+
+def main() -> None:
+    args = parse_args()
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    torch.manual_seed(1234)
+    model = NextTokenModel(args.layers)
+    engine, _, _, _ = deepspeed.initialize(args=args, model=model,
+                                           model_parameters=model.parameters())
+    start = 0
+    if args.load and os.path.exists(os.path.join(args.load, "latest")):
+        engine.load_checkpoint(args.load)
+        start = engine.global_steps
+    accumulation = engine.gradient_accumulation_steps()
+    batches = repeat(data_loader(engine))
+    for _ in range(start * accumulation):
+        next(batches)  # resume where the checkpoint's step left the data
+    for step in range(start, args.steps):
+        total = 0.0
+        for _ in range(accumulation):
+            tokens, labels = next(batches)
+            loss = next_token_loss(engine(tokens), labels)
+            engine.backward(loss)
+            engine.step()
+            total += loss.item()
+        if dist.get_rank() == 0:
+            print(f"step {step + 1}/{args.steps} | loss {total / accumulation:.6f}", flush=True)
+        if args.save and args.save_interval and (step + 1) % args.save_interval == 0:
+            engine.save_checkpoint(args.save)
+    report_digest(engine)
+    dist.destroy_process_group()
+
+
+def data_loader(engine) -> DataLoader:
+    sampler = DistributedSampler(dataset(), num_replicas=dist.get_world_size(),
+                                 rank=dist.get_rank(), shuffle=False)
+    return DataLoader(sampler.dataset, batch_size=engine.train_micro_batch_size_per_gpu(),
+                      sampler=sampler, drop_last=True)
+
+
+def repeat(loader: DataLoader):
+    while True:
+        yield from loader
+
+
+def report_digest(engine) -> None:
+    parameters = list(engine.module.parameters())
+    gathered = (deepspeed.zero.GatheredParameters(parameters)
+                if engine.zero_optimization_stage() == 3 else contextlib.nullcontext())
+    with gathered:
+        sha = hashlib.sha256()
+        for parameter in parameters:
+            sha.update(parameter.detach().cpu().contiguous().numpy().tobytes())
+    if dist.get_rank() == 0:
+        print(f"PARAMS_DIGEST {sha.hexdigest()}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
