@@ -25,10 +25,13 @@ knows the DeepSpeed side:
   the joiner included, rolls back to the last checkpoint the script saved (``load`` given to
   :meth:`DeepSpeedResilience.attach`) and trains on from there; the event log says which.
 - **Peer copy** (opt-in): after every step each rank sends its ZeRO shard (fp32 partition and
-  Adam moments), packed into one buffer, to the next rank of its data-parallel group, which
-  keeps it. It costs two shards of memory per rank (the copy and the packing buffer,
-  :attr:`DeepSpeedResilience.peer_copy_bytes`) and one exchange per step.
-- **Planned migration**: the leaver sends its parameters, its own shard and the copy it holds.
+  Adam moments), packed into one host buffer, to the next rank of its data-parallel group,
+  which keeps it (:class:`~mover_plugin.runtime.peer_copy.PeerCopy`, shared with the Megatron
+  path: the exchange runs in the background while the next iteration computes). It costs two
+  shards of host memory per rank (the copy and the packing buffer,
+  :attr:`DeepSpeedResilience.peer_copy_bytes`).
+- **Planned migration**: the leaver sends its parameters and its own shard; the joiner's copy
+  of its peer's shard comes with the next step's exchange.
 
 Limitations: pipeline engines (``PipelineModule``, ZeRO stage 0 or 1) and data-parallel
 engines without model parallelism (ZeRO stage 0, 1 or 2), with an Adam-family optimizer; the model must not draw random numbers while training (no dropout) for a rollback
@@ -69,7 +72,7 @@ from mover_plugin.layout import ParallelLayout
 from mover_plugin.progress import ProgressReporter
 from mover_plugin.runtime.adapter import Continuation, Transfer
 from mover_plugin.runtime.handover import module_state_tensors
-from mover_plugin.runtime.peer_copy import decide_continuation
+from mover_plugin.runtime.peer_copy import PeerCopy, decide_continuation
 from mover_plugin.runtime.resilience import ResilienceRuntime
 
 logger = logging.getLogger(__name__)
@@ -102,18 +105,9 @@ class DeepSpeedResilience:
         self.peer_copy = block.peer_copy
         self._engine: Any = None
         self._load: Load = lambda: None
-        self._held: list[torch.Tensor] = []
-        """The shard copy this rank keeps for the previous rank of its data-parallel group
-        (views into ``_held_flat``)."""
-        self._held_flat: Optional[torch.Tensor] = None
-        self._outgoing: Optional[torch.Tensor] = None
-        """This rank's shard packed into one buffer for the exchange."""
-        self._held_of = -1
-        self._held_version = -1
-        """The iteration the held copy belongs to (-1: none, or being replaced)."""
-        self._copy_s = 0.0
-        """Seconds the training thread spent exchanging shard copies (the copy's cost)."""
-        self._exchanges = 0
+        self._peer_copy: Optional[PeerCopy] = None
+        """This rank's side of the shard-copy ring of its data-parallel group (with
+        ``"peer_copy": true``, once the engine is attached)."""
         self.runtime = ResilienceRuntime.connect(block.settings, self)
         self._layout = None if pipeline_parallel_size is None else ParallelLayout.for_world(
             self.runtime.world_size, 1, pipeline_parallel_size)
@@ -197,10 +191,15 @@ class DeepSpeedResilience:
         owner, name = (zero, "_optimizer_step") if zero is not None else (engine.optimizer,
                                                                          "step")
         update = getattr(owner, name)
+        if self.peer_copy:
+            self._peer_copy = PeerCopy(runtime.control.store, runtime.rank, runtime.timeout())
+        peer_copy = self._peer_copy
 
         def gated_update(*args: Any, **kwargs: Any) -> Any:
             step = runtime.ledger.step
             if step is not None and not step.reached_commit:
+                if peer_copy is not None:
+                    peer_copy.before_update()
                 runtime.commit()
             return update(*args, **kwargs)
 
@@ -232,66 +231,50 @@ class DeepSpeedResilience:
     def finish(self) -> None:
         """Training is over: the runtime stops following the job; with the peer copy, the
         host memory it used is reported (a ``peer_copy`` event)."""
-        if self.peer_copy:
-            self.runtime.control.post("peer_copy", rank=self.runtime.rank,
-                                      bytes=self.peer_copy_bytes, critical_s=self._copy_s,
-                                      exchanges=self._exchanges, time=time.time())
+        copy = self._peer_copy
+        if copy is not None:
+            copy.settle()
+            self.runtime.control.post("peer_copy", rank=self.runtime.rank, bytes=copy.nbytes,
+                                      critical_s=copy.critical_s, exchanges=copy.exchanges,
+                                      time=time.time())
+            copy.close()
         self.runtime.finish()
 
     @property
     def peer_copy_bytes(self) -> int:
-        """Memory this rank spends on the shard copy it keeps for a peer and on packing its own
-        shard for the exchange."""
-        return sum(t.numel() * t.element_size() for t in (self._held_flat, self._outgoing)
-                   if t is not None)
+        """Host memory this rank spends on the shard copy it keeps for a peer and on packing
+        its own shard for the exchange."""
+        return 0 if self._peer_copy is None else self._peer_copy.nbytes
 
     # -- peer copy ------------------------------------------------------------------------
 
     def after_step(self, iteration: int) -> None:
-        if self.peer_copy:
-            self._exchange_shards(iteration + 1)
+        """Starts the exchange of this rank's shard as of ``iteration + 1`` completed
+        iterations; it runs while the next iteration computes."""
+        if self._peer_copy is not None:
+            self._peer_copy.refresh(shard_tensors(self._engine), iteration + 1,
+                                    self.runtime.generation, self._ring())
 
-    def _ring(self) -> tuple[Any, int, int]:
-        """This rank's data-parallel group and its next and previous global ranks there."""
-        group = data_parallel_group(self._engine)
-        size, index = dist.get_world_size(group), dist.get_rank(group)
-        return (group, dist.get_global_rank(group, (index + 1) % size),
-                dist.get_global_rank(group, (index - 1) % size))
-
-    def _exchange_shards(self, version: int) -> None:
-        started = time.perf_counter()
-        self._exchange(version)
-        self._copy_s += time.perf_counter() - started
-        self._exchanges += 1
-
-    def _exchange(self, version: int) -> None:
-        group, following, previous = self._ring()
-        if following == self.runtime.rank:
-            return  # no data-parallel peer
-        mine = shard_tensors(self._engine)
-        self._held_buffers(mine)
-        # One message each way: a point-to-point operation costs far more than packing.
-        if self._outgoing is None:
-            self._outgoing = torch.empty_like(self._held_flat)
-        torch.cat([tensor.reshape(-1) for tensor in mine], out=self._outgoing)
-        self._held_version = -1
-        operations = [dist.P2POp(dist.isend, self._outgoing, following, group=group),
-                      dist.P2POp(dist.irecv, self._held_flat, previous, group=group)]
-        for work in dist.batch_isend_irecv(operations):
-            work.wait()
-        self._held_of, self._held_version = previous, version
+    def _ring(self) -> tuple[int, int]:
+        """The next and the previous global rank of this rank's data-parallel group."""
+        ranks = dist.get_process_group_ranks(data_parallel_group(self._engine))
+        index = ranks.index(self.runtime.rank)
+        return ranks[(index + 1) % len(ranks)], ranks[(index - 1) % len(ranks)]
 
     # -- after a crash (FrameworkAdapter) -------------------------------------------------
 
     def _record(self) -> dict[str, Any]:
-        ledger = self.runtime.ledger
+        ledger, copy = self.runtime.ledger, self._peer_copy
         step = ledger.step
         updating = (step is not None and step.reached_commit
                     and ledger.applied != step.iteration + 1)
         return {"applied": ledger.applied, "updating": updating,
-                "held_of": self._held_of, "held_version": self._held_version}
+                "held_of": copy.held_of if copy else -1,
+                "held_version": copy.held_version if copy else -1}
 
     def _agree(self, contribute: bool) -> tuple[int, Optional[str], dict[int, int]]:
+        if self._peer_copy is not None:
+            self._peer_copy.settle()  # an exchange in flight ends, completed or failed
         records: list[Any] = [None] * self.runtime.world_size
         dist.all_gather_object(records, self._record() if contribute else None)
         return decide_continuation(records, self.peer_copy, off="peer_copy is off")
@@ -327,7 +310,8 @@ class DeepSpeedResilience:
         raise LaunchError("a DeepSpeed job cannot train on pipeline templates")
 
     def _roll_back(self, why: str) -> Continuation:
-        self._held_version = -1
+        if self._peer_copy is not None:
+            self._peer_copy.forget()
         return self.runtime.roll_back(why, self._load)
 
     # -- groups, snapshot and state (FrameworkAdapter) ------------------------------------
@@ -366,42 +350,23 @@ class DeepSpeedResilience:
         restore_counters(self._engine, snapshot["counters"])
 
     def state_tensors(self, transfer: Transfer) -> list[torch.Tensor]:
-        """The stage's parameters, and: in a hand-over, this rank's own shard and the shard
-        copy it holds (both ends list the same); from the holder of a lost rank's shard copy,
-        that copy; at that rank's joiner, its own shard, which the copy fills. A receiving
-        joiner's optimizer state and held copy are created first."""
+        """The stage's parameters, and: from the holder of a lost rank's shard copy, that copy;
+        otherwise (a leaver's hand-over, a joiner receiving) this rank's own shard, whose
+        optimizer state a joiner creates first."""
         module = module_state_tensors(self._engine.module)
         if transfer is Transfer.COPY_SENT:
-            return module + self._held
+            assert self._peer_copy is not None
+            return module + self._peer_copy.held()
         ensure_optimizer_state(self._engine)
-        shard = shard_tensors(self._engine)
-        if transfer is Transfer.COPY_RECEIVED:
-            return module + shard
-        return module + shard + self._held_buffers(shard)
-
-    def _held_buffers(self, shard: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The held copy, shaped like ``shard``: views into one flat buffer."""
-        if not self._held:
-            dtypes = {tensor.dtype for tensor in shard}
-            if len(dtypes) != 1:
-                raise TypeError(f"the optimizer shard mixes dtypes {sorted(map(str, dtypes))}; "
-                                "the peer copy packs it into one buffer of one dtype")
-            sizes = [tensor.numel() for tensor in shard]
-            self._held_flat = torch.empty(sum(sizes), dtype=dtypes.pop())
-            self._held = [piece.view_as(tensor) for piece, tensor in
-                          zip(self._held_flat.split(sizes), shard)]
-        return self._held
+        return module + shard_tensors(self._engine)
 
     def state_blob(self) -> dict[str, Any]:
         scheduler = self._engine.lr_scheduler
         return {"scheduler": scheduler.state_dict() if scheduler is not None else None,
-                "hyperparameters": hyperparameters(self._engine),
-                "held_of": self._held_of, "held_version": self._held_version}
+                "hyperparameters": hyperparameters(self._engine)}
 
     def load_state(self, state: dict[str, Any], transfer: Transfer) -> None:
         if state["scheduler"] is not None:
             self._engine.lr_scheduler.load_state_dict(state["scheduler"])
         # The scheduler sets the learning rate only after the next update.
         set_hyperparameters(self._engine, state["hyperparameters"])
-        if transfer is Transfer.HANDOVER:  # a leaver's copy comes with its rank
-            self._held_of, self._held_version = state["held_of"], state["held_version"]
