@@ -231,6 +231,8 @@ def train(args: argparse.Namespace, engine, dataset, iteration: int, resilience)
 
     while iteration < args.train_iters:
         started = time.perf_counter()
+        if resilience is not None:
+            resilience.before_step()  # the last step's peer copy is complete from here on
         progress.step_begin(iteration + 1)
         if resilience is None:
             loss, iteration = step(iteration), iteration + 1

@@ -134,6 +134,8 @@ class DataParallelCalls:
         iteration = self._drop_in.iteration
         assert iteration is not None
         runtime = self._runtime
+        assert self._drop_in.resilience is not None
+        self._drop_in.resilience.before_step()
         runtime.progress.step_begin(iteration + 1)
         started = time.perf_counter()
         self._snapshot, began = runtime.open_step()

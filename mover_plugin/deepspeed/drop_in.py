@@ -162,6 +162,7 @@ class DropIn(DeepSpeedHooks):
         source = self._replayable(data_iter)
         iteration = self.iteration
         progress = resilience.progress
+        resilience.before_step()
         progress.step_begin(iteration + 1)
         started = time.perf_counter()
 

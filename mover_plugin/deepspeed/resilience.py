@@ -27,7 +27,7 @@ knows the DeepSpeed side:
 - **Peer copy** (opt-in): after every step each rank sends its ZeRO shard (fp32 partition and
   Adam moments), packed into one host buffer, to the next rank of its data-parallel group,
   which keeps it (:class:`~mover_plugin.runtime.peer_copy.PeerCopy`, shared with the Megatron
-  path: the exchange runs in the background while the next iteration computes). It costs two
+  path: the exchange runs in the background until the next step is about to begin). It costs two
   shards of host memory per rank (the copy and the packing buffer,
   :attr:`DeepSpeedResilience.peer_copy_bytes`).
 - **Planned migration**: the leaver sends its parameters and its own shard; the joiner's copy
@@ -250,10 +250,17 @@ class DeepSpeedResilience:
 
     def after_step(self, iteration: int) -> None:
         """Starts the exchange of this rank's shard as of ``iteration + 1`` completed
-        iterations; it runs while the next iteration computes."""
+        iterations; it runs on until :meth:`before_step`."""
         if self._peer_copy is not None:
             self._peer_copy.refresh(shard_tensors(self._engine), iteration + 1,
                                     self.runtime.generation, self._ring())
+
+    def before_step(self) -> None:
+        """Waits for the exchange the last step started (call before a step reports its
+        begin): a rank lost from here on, until the next update, has a current copy on its
+        peer. The exchange overlaps what the script does between two steps."""
+        if self._peer_copy is not None:
+            self._peer_copy.settle()
 
     def _ring(self) -> tuple[int, int]:
         """The next and the previous global rank of this rank's data-parallel group."""
