@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from mover_plugin.comm import retired
+from mover_plugin.comm import forked_children, retired
 from mover_plugin.comm.context import default_context
 from mover_plugin.comm.process_group import BACKEND_NAME, MoverProcessGroup
 from mover_plugin.comm.world import WorldGroup, WorldOptions, group_members
@@ -45,6 +45,7 @@ def register_backend() -> str:
     The backend is declared for ``cpu`` and ``cuda``; it never becomes the default backend of a
     device, it is used only where asked for by name (or inherited by ``new_group``).
     """
+    forked_children.install()  # a data loader's forked workers must not hold its connections
     return register_plugin(BACKEND_NAME, _create_group)
 
 
