@@ -71,6 +71,10 @@ class Interruption:
     """Per survivor: seconds from the failure until it left the failed step."""
     last_step_before: Optional[float] = None
     step_time_before: Optional[float] = None
+    typical_step_s: Optional[float] = None
+    """The median duration of the steps rank 0 reported before the interruption ended: a
+    last step before it that was slower (the one after a migration's switch) is not what the
+    step would have taken without the interruption."""
     rolled_back_to: Optional[int] = None
     """The checkpoint's step every rank went back to, when the ranks could not continue in
     place (DeepSpeed, a lost optimizer shard that no live rank holds)."""
@@ -84,10 +88,16 @@ class Interruption:
 
     @property
     def downtime_s(self) -> Optional[float]:
+        """From the end of the last step before the interruption to the end of the first step
+        after it, less one step's time: the step time before it, or the typical one where
+        that is shorter."""
         after = self.times.get("first_step_completed")
         if after is None or self.last_step_before is None:
             return None
-        return after - self.last_step_before - (self.step_time_before or 0.0)
+        step_s = self.step_time_before or 0.0
+        if self.typical_step_s is not None:
+            step_s = min(step_s, self.typical_step_s)
+        return after - self.last_step_before - step_s
 
     def to_dict(self) -> dict:
         origin = self.times.get("failed", self.times.get("requested"))

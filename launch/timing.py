@@ -11,13 +11,18 @@ once every rank completed a step after it, telling the units that wait for that
 
 from __future__ import annotations
 
+import collections
 import logging
+import statistics
 from typing import Callable, Mapping, Optional
 
 from mover_plugin.launch.context import Context, Event, EventHandler, Unit
 from mover_plugin.launch.summary import HOST_LOSS, Interruption
 
 logger = logging.getLogger(__name__)
+
+TYPICAL_OF_STEPS = 32
+"""How many of rank 0's latest step durations make the typical step time."""
 
 ResumeListener = Callable[[Interruption], None]
 """Called with an interruption once training runs again after it."""
@@ -48,6 +53,8 @@ class InterruptionTiming(Unit):
         self._resumed: list[ResumeListener] = []
         self._latest_step: Optional[tuple[float, float]] = None
         """The latest step end of rank 0 reported, with its duration."""
+        self._durations: collections.deque[float] = collections.deque(maxlen=TYPICAL_OF_STEPS)
+        """The durations of rank 0's latest steps reported."""
 
     def handlers(self) -> Mapping[str, EventHandler]:
         return {"injected": self._on_injected, "hung": self._on_hung,
@@ -106,6 +113,7 @@ class InterruptionTiming(Unit):
         (those reported before it was found, and those after), and its ``failed`` too when
         that step ended after the host's last heartbeat seen."""
         for _, end, duration in steps:
+            self._durations.append(duration)
             if self._latest_step is None or end > self._latest_step[0]:
                 self._latest_step = (end, duration)
         item = self._ctx.job.interruption
@@ -209,6 +217,8 @@ class InterruptionTiming(Unit):
         item = ctx.job.interruption
         if len(ctx.generation.first_step) == len(ctx.job.membership.members) and item is not None:
             ctx.job.interruption = None
+            if self._durations:
+                item.typical_step_s = statistics.median(self._durations)
             item.mark("first_step_completed", max(ctx.generation.first_step.values()))
             ctx.record("resumed", "resume", when=item.times["first_step_completed"],
                        downtime_s=item.downtime_s)

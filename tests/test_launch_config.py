@@ -251,3 +251,16 @@ def test_downtime_is_the_gap_between_steps_less_one_step(tmp_path):
                          interruptions=[item])
     summary.write(tmp_path / "summary.json")
     assert '"downtime_s": 10.0' in (tmp_path / "summary.json").read_text()
+
+
+def test_a_slow_last_step_before_the_interruption_is_not_taken_for_a_normal_step():
+    """The step after a migration's switch took 1.2 s; steps take 0.3 s: the downtime of a
+    failure right after it subtracts 0.3 s, not 1.2 s (which made it negative)."""
+    item = Interruption("failure", rank=0, step=4, how="signal SIGKILL", injected=True,
+                        attempt=0, last_step_before=100.0, step_time_before=1.2)
+    item.mark("first_step_completed", 100.8)
+    assert item.downtime_s == pytest.approx(-0.4)  # the last step alone
+    item.typical_step_s = 0.3
+    assert item.downtime_s == pytest.approx(0.5)
+    item.typical_step_s = 2.0  # a typical step slower than the last: the last one counts
+    assert item.downtime_s == pytest.approx(-0.4)
