@@ -122,6 +122,26 @@ def test_a_data_parallel_script_recovers_a_sigkill_inside_an_iteration_and_a_mig
     assert re.search(rf"^step 1/{STEPS} \| loss nan$", result.stdout, re.MULTILINE)
 
 
+def test_a_rank_lost_at_the_commit_of_a_step_is_recovered_by_redoing_every_micro_batch(
+        tmp_path, data_parallel_reference):
+    """Rank 1 kills itself at the commit of the step that was to switch rank 3 to a standby
+    (the migration is called off): the other ranks are inside the accumulation-boundary
+    ``step``, past both micro-batches' forward and backward. They redo both micro-batches from
+    their records (the first one's step too), then the step itself."""
+    result, summary, events = resilient_job(tmp_path, {"peer_copy": True, "standbys": 2},
+                                            "--inject-migration", "3:3:commit=1",
+                                            script=DATA_PARALLEL, config=ZERO_2)
+    assert digest(result) == digest(data_parallel_reference)
+    assert trained_losses(result) == trained_losses(data_parallel_reference)
+    failures = [(i["rank"], i["recovery"]) for i in summary["interruptions"]
+                if i["kind"] == "failure"]
+    assert failures == [(1, "standby")] and summary["restarts"] == 0
+    assert "rank 1: injected fault 'commit=1'" in result.output
+    redone = re.findall(r"rank (\d) redoes iteration \d+: (\d) micro-batch", result.output)
+    assert sorted(redone) == [("0", "2"), ("2", "2"), ("3", "2")], result.output[-4000:]
+    assert not [e for e in events if e["event"] == "rolled_back"]
+
+
 def test_without_a_peer_copy_the_job_restarts_from_the_scripts_checkpoint(
         tmp_path, data_parallel_reference):
     """ZeRO-2 loses rank 1's optimizer shard with it: the script's loop cannot go back in

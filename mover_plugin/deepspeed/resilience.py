@@ -273,7 +273,9 @@ class DeepSpeedResilience:
     def _record(self) -> dict[str, Any]:
         ledger, copy = self.runtime.ledger, self._peer_copy
         step = ledger.step
-        updating = (step is not None and step.reached_commit
+        # Caught inside the update: past the commit (every rank voted, so the update may have
+        # begun), and not yet counted. A rank still waiting in the commit changed nothing.
+        updating = (step is not None and step.passed_commit
                     and ledger.applied != step.iteration + 1)
         return {"applied": ledger.applied, "updating": updating,
                 "held_of": copy.held_of if copy else -1,
