@@ -110,9 +110,9 @@ class DropIn(DeepSpeedHooks):
         self._local: Optional[AppliedPatches] = None
         self._engine: Any = None
         self.iteration: Optional[int] = None
-        """The next iteration this rank trains; None before its first ``train_batch``."""
+        """The next iteration this rank trains; None before its first one."""
         self.behind = 0
-        """``train_batch`` calls a joiner's script still has to catch up on."""
+        """Iterations a joiner's script still has to catch up on."""
         self._attempted = -1
         self._catch_up_began = (0, 0.0)
         """A joiner's catch-up: the calls it had to make, and when it began."""
@@ -177,8 +177,9 @@ class DropIn(DeepSpeedHooks):
         return _nan() if loss is None else loss
 
     def start_training(self) -> None:
-        """At the first ``train_batch``: a rank that started with the job begins at the
-        engine's step count; a joiner receives its state and how far behind its script is."""
+        """At the first iteration (a ``train_batch``, or a data-parallel engine's first
+        training ``forward``): a rank that started with the job begins at the engine's step
+        count; a joiner receives its state and how far behind its script is."""
         resilience, engine = self.resilience, self._engine
         assert resilience is not None
         started_at = engine.global_steps
@@ -229,8 +230,8 @@ class DropIn(DeepSpeedHooks):
     @property
     def catching_up(self) -> bool:
         """A joiner's script is still in a step the job trained before it came: from its
-        first ``train_batch`` until its first real one (the loop body after its last catch-up
-        call included)."""
+        first iteration until its first real one (the loop body after its last catch-up
+        iteration included)."""
         return self.iteration is not None and self._local is not None
 
     def _unless_catching_up(self, method: Callable[..., Any],

@@ -19,7 +19,11 @@ hands itself to a :class:`ResilienceRuntime`, which holds everything else:
   generation — only the groups that contain the lost rank, or that some member left in the
   middle of an operation, are rebuilt (:mod:`mover_plugin.comm.delta`), and every cached
   reference to them is rewritten — and the adapter brings it to the iteration all ranks continue from; the runtime then sends each
-  joiner its state from the live rank the adapter names.
+  joiner its state from the live rank the adapter names. An iteration that spans several
+  calls of the training script (a DeepSpeed data-parallel engine's ``forward``, ``backward``
+  and ``step``) runs through the parts of ``run_step`` instead: :meth:`ResilienceRuntime.
+  open_step`, :meth:`~ResilienceRuntime.recover_in_step` for a failed call, and
+  :meth:`~ResilienceRuntime.close_step`.
 - **The commit rule.** The adapter puts :meth:`ResilienceRuntime.commit` (a WORLD all-reduce
   every rank enters only with complete gradients) before the optimizer update. It also carries
   "I saw the controller's switch request" so all ranks learn in the same iteration that a
