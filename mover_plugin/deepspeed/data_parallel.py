@@ -100,11 +100,13 @@ class DataParallelCalls:
         if not self._micro:
             return self._backward(loss, *args, **kwargs)
         record = self._micro[-1]
-        scaled = loss / self._engine.gradient_accumulation_steps()
 
         def again(output: Any) -> Any:
             self._backward(replay_loss(output, record), *args, **kwargs)
-            return scaled
+            # What DeepSpeed's backward returns: the loss, divided by the accumulation steps
+            # unless the script said otherwise (backward(loss, retain_graph, scale_wrt_gas)).
+            divide = kwargs.get("scale_wrt_gas", args[1] if len(args) > 1 else True)
+            return loss / self._engine.gradient_accumulation_steps() if divide else loss
 
         return self._attempt(record, _BACKWARD, lambda: self._backward(loss, *args, **kwargs),
                              again)
