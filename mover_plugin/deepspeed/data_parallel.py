@@ -45,6 +45,7 @@ from mover_plugin.errors import LaunchError
 
 if TYPE_CHECKING:
     from mover_plugin.deepspeed.drop_in import DropIn
+    from mover_plugin.deepspeed.resilience import DeepSpeedResilience
 
 logger = logging.getLogger(__name__)
 
@@ -69,9 +70,13 @@ class DataParallelCalls:
         engine.forward, engine.backward, engine.step = self.forward, self.backward, self.step
 
     @property
-    def _runtime(self) -> Any:
+    def _resilience(self) -> "DeepSpeedResilience":
         assert self._drop_in.resilience is not None
-        return self._drop_in.resilience.runtime
+        return self._drop_in.resilience
+
+    @property
+    def _runtime(self) -> Any:
+        return self._resilience.runtime
 
     # -- the engine's calls ---------------------------------------------------------------
 
@@ -136,8 +141,7 @@ class DataParallelCalls:
         iteration = self._drop_in.iteration
         assert iteration is not None
         runtime = self._runtime
-        assert self._drop_in.resilience is not None
-        self._drop_in.resilience.before_step()
+        self._resilience.before_step()
         runtime.progress.step_begin(iteration + 1)
         started = time.perf_counter()
         self._snapshot, began = runtime.open_step()

@@ -231,13 +231,8 @@ class DeepSpeedResilience:
     def finish(self) -> None:
         """Training is over: the runtime stops following the job; with the peer copy, the
         host memory it used is reported (a ``peer_copy`` event)."""
-        copy = self._peer_copy
-        if copy is not None:
-            copy.settle()
-            self.runtime.control.post("peer_copy", rank=self.runtime.rank, bytes=copy.nbytes,
-                                      critical_s=copy.critical_s, exchanges=copy.exchanges,
-                                      time=time.time())
-            copy.close()
+        if self._peer_copy is not None:
+            self._peer_copy.report_and_close(self.runtime.control.post, self.runtime.rank)
         self.runtime.finish()
 
     @property

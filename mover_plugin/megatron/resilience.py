@@ -272,13 +272,8 @@ class MegatronResilience:
     def finish(self) -> None:
         """Training is over: the runtime stops following the job; with the peer copy, the
         host memory it used is reported (a ``peer_copy`` event)."""
-        copy = self._peer_copy
-        if copy is not None:
-            copy.settle()
-            self.runtime.control.post("peer_copy", rank=self.runtime.rank, bytes=copy.nbytes,
-                                      critical_s=copy.critical_s, exchanges=copy.exchanges,
-                                      time=time.time())
-            copy.close()
+        if self._peer_copy is not None:
+            self._peer_copy.report_and_close(self.runtime.control.post, self.runtime.rank)
         if self._shrunk is not None and self.args.save:
             path = self._shrunk.save_final(Path(self.args.save), self.runtime.ledger.applied)
             logger.warning("rank %d wrote its final parameters to %s", self.runtime.rank, path)

@@ -29,7 +29,7 @@ import logging
 import threading
 import time
 from datetime import timedelta
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 from torch.distributed import PrefixStore, Store
@@ -159,6 +159,15 @@ class PeerCopy:
         """The copy no longer matches its rank's state (after a rollback)."""
         self.settle()
         self.held_of, self.held_version = -1, -1
+
+    def report_and_close(self, post: Callable[..., Any], rank: int) -> None:
+        """The training's end: waits for the last exchange, reports the copy's host memory and
+        the training thread's time in it with ``post`` (the controller client's: a
+        ``peer_copy`` event of ``rank``) and drops the exchange groups."""
+        self.settle()
+        post("peer_copy", rank=rank, bytes=self.nbytes, critical_s=self.critical_s,
+             exchanges=self.exchanges, time=time.time())
+        self.close()
 
     def close(self) -> None:
         """Drops the exchange groups (never blocks on a peer)."""
