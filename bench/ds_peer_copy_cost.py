@@ -1,12 +1,14 @@
 #!/usr/bin/env python
-"""Benchmark: what the peer copy costs an unmodified DeepSpeed data-parallel script, ZeRO-1 and 2.
+"""Benchmark: what the peer copy costs an unmodified DeepSpeed data-parallel script, ZeRO-1 to 3.
 
 With ``"peer_copy": true`` in the ``"resilience"`` block, after every step each rank sends its
-ZeRO optimizer shard (fp32 partition and Adam moments) to the next rank of its data-parallel
-group, which keeps it in host memory, so that a lost rank's shard can be taken from there
-instead of restarting the job. The same failure-free job (tests/scripts/ds_dp_train.py: a
-user's data-parallel script, DP4 on 4 CPU processes, two accumulation steps) runs under
-``mover-launch`` with the block, with the copy on and off, at ZeRO stage 1 and 2, interleaved,
+ZeRO optimizer shard (fp32 partition and Adam moments; at stage 3 also its partition of the
+parameters in their training precision) to the next rank of its data-parallel group, which
+keeps it in host memory, so that a lost rank's shard can be taken from there instead of
+restarting the job. The same failure-free job (tests/scripts/ds_dp_train.py: a user's
+data-parallel script, DP4 on 4 CPU processes, two accumulation steps) runs under
+``mover-launch`` with the block, with the copy on and off, at ZeRO stage 1, 2 and 3 (stage 3
+keeping parameters of up to 100 elements whole, as in the tests), interleaved,
 ``--repeats`` times each. Printed per run: the median step time (the launcher's summary); then
 per stage the medians, ``STEP_TIME_RATIO`` (copy on / off, the baseline measured in the same
 run), the host memory each rank spends on the copy (the packed own shard and the held copy of
@@ -36,7 +38,11 @@ from jobs import ROOT, mover_launch_command, read_events, run_job, summary_with_
 
 SCRIPT = str(ROOT / "tests" / "scripts" / "ds_dp_train.py")
 CONFIG = ROOT / "examples" / "ds_config.json"
-STAGES = (1, 2)
+STAGES = (1, 2, 3)
+ZERO_SETTINGS = {3: {"stage3_param_persistence_threshold": 100}}
+"""Beyond the stage: ZeRO-3 keeps parameters below the threshold (10^5 elements by default,
+every parameter of this tiny model) whole on every rank; 100 keeps the biases and norms so
+and partitions the matrices."""
 
 
 def main() -> None:
@@ -51,7 +57,8 @@ def main() -> None:
         for copy in (True, False):
             path = out / f"zero{stage}-{'copy' if copy else 'no-copy'}.json"
             path.write_text(json.dumps({**json.loads(CONFIG.read_text()),
-                                        "zero_optimization": {"stage": stage},
+                                        "zero_optimization": {"stage": stage,
+                                                              **ZERO_SETTINGS.get(stage, {})},
                                         "resilience": {"standbys": 1, "peer_copy": copy}}))
             configs[path.stem] = path
     runs = interleaved_in(out, list(configs), args.repeats,

@@ -17,8 +17,10 @@
   the engine's timers are reset when ``train_batch`` raises.
 
 The ``deepspeed-local-collectives`` group complements ``local-collectives`` for a joining
-standby's build: DeepSpeed's torch backend keeps its own references to
-``all_gather_into_tensor`` and ``reduce_scatter_tensor``, taken when it was created.
+standby's build and the forward that shapes its catch-up's stand-in outputs: DeepSpeed's torch
+backend keeps its own references to ``all_gather_into_tensor`` and ``reduce_scatter_tensor``,
+taken when it was created, and ZeRO stage 3's parameter coordinator checks that every rank
+recorded the same trace (a broadcast from rank 0, which a local one cannot answer).
 """
 
 from __future__ import annotations
@@ -109,6 +111,16 @@ def _apply_local_backend_functions() -> Undo:
     return swap.restore
 
 
+def _apply_local_trace_checks() -> Undo:
+    """ZeRO stage 3's parameter coordinator compares its recorded trace with rank 0's (a
+    broadcast) at the start of a forward: done locally, it passes."""
+    import deepspeed.runtime.zero.partitioned_param_coordinator as coordinator
+
+    swap = AttributeSwap()
+    swap.set_attr(coordinator, "assert_ints_same_as_other_ranks", _no_op)
+    return swap.restore
+
+
 for _name, _description, _apply in (
     ("no-shm-op", "DeepSpeed's torch backend skips building its shared-memory op",
      _apply_no_shm_op),
@@ -121,13 +133,14 @@ for _name, _description, _apply in (
     register_patch(Patch(name=_name, distribution="deepspeed", tested_versions=TESTED_VERSIONS,
                          description=_description, apply=_apply, groups=(GROUP,)))
 
-register_patch(
-    Patch(
-        name="deepspeed-local-backend-functions",
-        distribution="deepspeed",
-        tested_versions=TESTED_VERSIONS,
-        description="DeepSpeed's all-gather and reduce-scatter act locally (a joiner's build)",
-        apply=_apply_local_backend_functions,
-        groups=(LOCAL_COLLECTIVES_GROUP,),
-    )
-)
+for _name, _description, _apply in (
+    ("deepspeed-local-backend-functions",
+     "DeepSpeed's all-gather and reduce-scatter act locally (a joiner's build)",
+     _apply_local_backend_functions),
+    ("deepspeed-local-trace-checks",
+     "ZeRO-3's checks that every rank recorded the same trace pass locally",
+     _apply_local_trace_checks),
+):
+    register_patch(Patch(name=_name, distribution="deepspeed", tested_versions=TESTED_VERSIONS,
+                         description=_description, apply=_apply,
+                         groups=(LOCAL_COLLECTIVES_GROUP,)))

@@ -18,7 +18,7 @@ its first iteration).
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -28,8 +28,23 @@ from mover_plugin.patches.registry import AttributeSwap, Patch, Undo, register_p
 GROUP = "local-collectives"
 
 
-def _no_op(*args: Any, **kwargs: Any) -> None:
-    return None
+class _Completed:
+    """The handle of a collective that completed locally (for a caller that asked for an
+    asynchronous one, as ZeRO stage 3's parameter all-gathers do)."""
+
+    def wait(self, *args: Any, **kwargs: Any) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def _handle(async_op: bool) -> Optional[_Completed]:
+    return _Completed() if async_op else None
+
+
+def _no_op(*args: Any, async_op: bool = False, **kwargs: Any) -> Optional[_Completed]:
+    return _handle(async_op)
 
 
 def _gather_object_locally(object_list: list[Any], obj: Any, group: Any = None) -> None:
@@ -38,14 +53,20 @@ def _gather_object_locally(object_list: list[Any], obj: Any, group: Any = None) 
 
 
 def _gather_locally(tensor_list: list[torch.Tensor], tensor: torch.Tensor, *args: Any,
-                    **kwargs: Any) -> None:
+                    async_op: bool = False, **kwargs: Any) -> Optional[_Completed]:
     for item in tensor_list:
         item.copy_(tensor)
+    return _handle(async_op)
 
 
-def _gather_into_tensor_locally(output: torch.Tensor, tensor: torch.Tensor, *args: Any,
-                                **kwargs: Any) -> None:
-    output.copy_(tensor.repeat(output.numel() // tensor.numel()).view_as(output))
+def _gather_into_tensor_locally(output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                                *args: Any, async_op: bool = False,
+                                **kwargs: Any) -> Optional[_Completed]:
+    """``all_gather_into_tensor`` (torch's argument names, which DeepSpeed passes by keyword)
+    with every slot this rank's tensor."""
+    repeats = output_tensor.numel() // max(input_tensor.numel(), 1)
+    output_tensor.copy_(input_tensor.repeat(repeats).view_as(output_tensor))
+    return _handle(async_op)
 
 
 def _apply() -> Undo:

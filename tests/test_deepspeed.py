@@ -88,13 +88,22 @@ def test_mover_launch_takes_policy_and_standbys_from_the_block(tmp_path):
         parse_launch_args(["--policy", "resilient", *script, plain], "py")
 
 
-def test_zero_stage_3_with_an_enabled_block_is_refused_before_anything_starts(tmp_path):
+def test_zero_settings_the_runtime_cannot_recover_are_refused_before_anything_starts(
+        tmp_path):
     script = ["tests/scripts/ds_dp_train.py", "--deepspeed_config"]
-    stage_3 = write_config(tmp_path, resilience={}, zero_optimization={"stage": 3})
-    with pytest.raises(ConfigError, match='"zero_optimization.stage" 3 cannot run with an '
-                       r'enabled "resilience" block; supported stages: \[0, 1, 2\]'):
-        parse_launch_args(["--num_gpus", "4", *script, stage_3], "py")
-    off = write_config(tmp_path, resilience={"enabled": False}, zero_optimization={"stage": 3})
+    stage_4 = write_config(tmp_path, resilience={}, zero_optimization={"stage": 4})
+    with pytest.raises(ConfigError, match='"zero_optimization.stage" 4 cannot run with an '
+                       r'enabled "resilience" block; supported stages: \[0, 1, 2, 3\]'):
+        parse_launch_args(["--num_gpus", "4", *script, stage_4], "py")
+    offload = write_config(tmp_path, resilience={}, zero_optimization={
+        "stage": 3, "offload_param": {"device": "cpu"}})
+    with pytest.raises(ConfigError, match='"zero_optimization.offload_param.device" \'cpu\' '
+                       'cannot run with an enabled "resilience" block; supported: "none"'):
+        parse_launch_args(["--num_gpus", "4", *script, offload], "py")
+    stage_3 = write_config(tmp_path, resilience={}, zero_optimization={
+        "stage": 3, "offload_optimizer": {"device": "none"}})
+    assert load_ds_config(stage_3)[1] is not None
+    off = write_config(tmp_path, resilience={"enabled": False}, zero_optimization={"stage": 4})
     assert load_ds_config(off)[1] is not None
 
 

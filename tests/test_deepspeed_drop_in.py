@@ -1,9 +1,10 @@
 """Unmodified DeepSpeed scripts (DeepSpeed's and PyTorch's API only) under mover-launch on CPU:
 a pipeline script (tests/scripts/ds_pipe_train.py, PP2 x DP2, ZeRO-1, ``train_batch``) and a
-data-parallel one (tests/scripts/ds_dp_train.py, DP4, ZeRO-2, ``engine(batch)``/``backward``/
-``step`` with two accumulation steps). The CPU patches come from the launch path, and the
-``"resilience"`` block alone gives each real SIGKILL recovery and a real migration, each ending
-with the failure-free PARAMS_DIGEST."""
+data-parallel one (tests/scripts/ds_dp_train.py, DP4, ZeRO-2 and ZeRO-3, ``engine(batch)``/
+``backward``/``step`` with two accumulation steps). The CPU patches come from the launch path,
+and the ``"resilience"`` block alone gives each real SIGKILL recovery and a real migration,
+each ending with the failure-free PARAMS_DIGEST (at ZeRO-3 the script gathers the parameters
+for its digest, so it covers every rank's partitions)."""
 
 import json
 import re
@@ -18,6 +19,10 @@ SCRIPTS = Path(__file__).parent / "scripts"
 PIPELINE, DATA_PARALLEL = str(SCRIPTS / "ds_pipe_train.py"), str(SCRIPTS / "ds_dp_train.py")
 CONFIG = json.loads((Path(__file__).parents[1] / "examples" / "ds_config.json").read_text())
 ZERO_2 = {**CONFIG, "zero_optimization": {"stage": 2}}
+ZERO_3 = {**CONFIG, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 100}}
+"""Parameters of up to 100 elements (biases, norms) stay whole on every rank, the matrices are
+partitioned: both kinds are recovered (DeepSpeed's default threshold would keep every
+parameter of this tiny model whole)."""
 STEPS = 12
 """Long enough for a migration requested at step 3 (its joiner prepares for a few steps) and a
 SIGKILL at step 6 to both happen before the script ends."""
@@ -41,20 +46,27 @@ def trained_losses(result) -> dict[int, str]:
     return losses
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def failure_free(tmp_path_factory, name, **job):
     """No block, no interruption: the script's own run, on CPU with no patch of its own."""
-    result = ds_job(tmp_path_factory.mktemp("reference"), None, "--max-restarts", "0")
+    result = ds_job(tmp_path_factory.mktemp(name), None, "--max-restarts", "0", **job)
     assert result.returncode == 0, result.output[-4000:]
     return result
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return failure_free(tmp_path_factory, "reference")
 
 
 @pytest.fixture(scope="module")
 def data_parallel_reference(tmp_path_factory):
-    result = ds_job(tmp_path_factory.mktemp("dp-reference"), None, "--max-restarts", "0",
-                    script=DATA_PARALLEL, config=ZERO_2)
-    assert result.returncode == 0, result.output[-4000:]
-    return result
+    return failure_free(tmp_path_factory, "dp-reference", script=DATA_PARALLEL, config=ZERO_2)
+
+
+@pytest.fixture(scope="module")
+def zero_3_reference(tmp_path_factory):
+    return failure_free(tmp_path_factory, "zero-3-reference", script=DATA_PARALLEL,
+                        config=ZERO_3)
 
 
 def resilient_job(tmp_path, block, *launcher_flags, **job):
@@ -101,12 +113,24 @@ def test_a_data_parallel_script_recovers_a_sigkill_inside_an_iteration_and_a_mig
     begins step 6 (or a later one). The survivors are inside that iteration (ZeRO-2 reduces
     in every backward), redo its micro-batches from their records, and their scripts' calls
     return as if nothing happened; the joiners catch up through the steps they missed."""
+    check_migration_and_sigkill(tmp_path, ZERO_2, data_parallel_reference)
+
+
+def test_zero_3_recovers_a_sigkill_inside_an_iteration_and_a_migration(tmp_path,
+                                                                       zero_3_reference):
+    """The same at ZeRO-3, where every forward and backward gathers the parameters: the lost
+    rank's partitions of them come from the peer copy with its optimizer shard, and every rank
+    releases its gathered parameters and its prefetch trace at each switch."""
+    check_migration_and_sigkill(tmp_path, ZERO_3, zero_3_reference)
+
+
+def check_migration_and_sigkill(tmp_path, config, reference):
     result, summary, events = resilient_job(tmp_path, {"peer_copy": True, "standbys": 2},
                                             "--inject-migration", "3:3",
                                             "--inject-failure", "0:6",
-                                            script=DATA_PARALLEL, config=ZERO_2)
-    assert digest(result) == digest(data_parallel_reference)
-    assert trained_losses(result) == trained_losses(data_parallel_reference)
+                                            script=DATA_PARALLEL, config=config)
+    assert digest(result) == digest(reference)
+    assert trained_losses(result) == trained_losses(reference)
     assert len(trained_losses(result)) == STEPS
     kinds = [(i["kind"], i["rank"], i["recovery"]) for i in summary["interruptions"]]
     assert kinds == [("migration", 3, "standby"), ("failure", 0, "standby")]
@@ -146,16 +170,17 @@ def test_a_rank_lost_at_the_commit_of_a_step_is_recovered_by_redoing_every_micro
 
 
 def test_without_a_peer_copy_the_job_restarts_from_the_scripts_checkpoint(
-        tmp_path, data_parallel_reference):
-    """ZeRO-2 loses rank 1's optimizer shard with it: the script's loop cannot go back in
-    place, so the job restarts and the script resumes from its own checkpoint of step 4."""
+        tmp_path, zero_3_reference):
+    """ZeRO-3 loses rank 1's partitions (optimizer and parameters) with it: the script's loop
+    cannot go back in place, so the job restarts and the script resumes from its own
+    checkpoint of step 4."""
     checkpoints = str(tmp_path / "checkpoints")
     result, summary, events = resilient_job(
         tmp_path, {"standbys": 1}, "--inject-failure", "1:6", script=DATA_PARALLEL,
-        config=ZERO_2,
+        config=ZERO_3,
         script_flags=["--save", checkpoints, "--load", checkpoints, "--save-interval", "2"])
-    assert digest(result) == digest(data_parallel_reference)
-    assert trained_losses(result) == trained_losses(data_parallel_reference)
+    assert digest(result) == digest(zero_3_reference)
+    assert trained_losses(result) == trained_losses(zero_3_reference)
     assert summary["restarts"] == 1
     assert "an unmodified script's loop cannot go back to a checkpoint in place" in result.output
     assert not [e for e in events if e["event"] == "rolled_back"]

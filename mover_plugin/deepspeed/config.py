@@ -115,17 +115,28 @@ def load_ds_config(path: str) -> tuple[dict[str, Any], Optional[DeepSpeedResilie
     return config, checked
 
 
-SUPPORTED_ZERO_STAGES = (0, 1, 2)
+SUPPORTED_ZERO_STAGES = (0, 1, 2, 3)
+_OFFLOADS = ("offload_optimizer", "offload_param")
 
 
 def _check_zero_stage(config: Mapping[str, Any], where: str) -> None:
-    """ZeRO stage 3 partitions the parameters too; the runtime does not recover them yet."""
+    """The ZeRO settings the runtime recovers: stages 0 to 3, with the optimizer and the
+    parameters on the accelerator (an offload to CPU memory or NVMe keeps state the runtime
+    does not copy)."""
     zero = config.get("zero_optimization") or {}
-    stage = zero.get("stage", 0) if isinstance(zero, Mapping) else 0
+    if not isinstance(zero, Mapping):
+        return
+    stage = zero.get("stage", 0)
     if stage not in SUPPORTED_ZERO_STAGES:
         raise ConfigError(f'{where}: "zero_optimization.stage" {stage!r} cannot run with an '
                           f'enabled "{BLOCK}" block; supported stages: '
                           f"{list(SUPPORTED_ZERO_STAGES)}")
+    for name in _OFFLOADS:
+        offload = zero.get(name) or {}
+        device = offload.get("device", "none") if isinstance(offload, Mapping) else offload
+        if device not in (None, "none"):
+            raise ConfigError(f'{where}: "zero_optimization.{name}.device" {device!r} cannot '
+                              f'run with an enabled "{BLOCK}" block; supported: "none"')
 
 
 def config_path_in(script_args: Sequence[str]) -> Optional[str]:

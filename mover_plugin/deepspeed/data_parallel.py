@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
+from mover_plugin.deepspeed.engine_state import partitions_parameters, release_parameters
 from mover_plugin.deepspeed.micro_batches import (
     MicroBatch,
     replay_loss,
@@ -214,9 +215,25 @@ class DataParallelCalls:
 
     def _stand_in_for(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self._stand_in is None:
-            with torch.no_grad():
-                self._stand_in = stand_in(self._forward(*inputs, **kwargs))
+            self._stand_in = stand_in(self._shape_forward(inputs, kwargs))
         return self._stand_in
+
+    def _shape_forward(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A forward whose outputs give the stand-in its structure (made while the script
+        catches up, when torch.distributed's collectives act locally). At ZeRO stage 3 a
+        forward gathers the parameters, through DeepSpeed's backend too: that gathers locally
+        as well (the values are not used), then every parameter is released and the trace the
+        forward recorded forgotten."""
+        engine = self._engine
+        if not partitions_parameters(engine):
+            with torch.no_grad():
+                return self._forward(*inputs, **kwargs)
+        from mover_plugin.patches import apply_patches
+
+        with torch.no_grad(), apply_patches("deepspeed-local-collectives"):
+            outputs = self._forward(*inputs, **kwargs)
+        release_parameters(engine)
+        return outputs
 
     def _catch_up_step(self) -> None:
         """A ``step`` of a micro-batch the job trained: the last of an iteration's brings the

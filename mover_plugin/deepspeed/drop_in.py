@@ -38,7 +38,7 @@ the same runtime as a script written against the API
   ``save_checkpoint`` and ``eval_batch`` do nothing meanwhile; its collectives stay local. So
   the script's loop and data are where the lost rank's were when the joiner trains.
 
-Limits: ZeRO stage 0, 1 or 2 (stage 3 is refused before the job starts); a lost rank is
+Limits: ZeRO stage 0 to 3, without offload (refused before the job starts); a lost rank is
 recovered in place when a live peer holds a copy of its optimizer shard (``"peer_copy":
 true``); otherwise the job restarts and the script resumes from its own checkpoint, because an
 unmodified script's loop cannot go back in place. The script must read its data in the same

@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from mover_plugin.runtime.handover import module_state_tensors
+
 _COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")
 _ADAM_STATE = ("step", "exp_avg", "exp_avg_sq")
 
@@ -45,21 +47,46 @@ def data_parallel_group(engine: Any) -> Any:
 
 
 def zero_optimizer(engine: Any) -> Any:
-    """The engine's ZeRO stage-1/2 optimizer, or None without ZeRO."""
+    """The engine's ZeRO optimizer (stage 1, 2 or 3), or None without ZeRO."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     optimizer = engine.optimizer
-    return optimizer if isinstance(optimizer, DeepSpeedZeroOptimizer) else None
+    zero = isinstance(optimizer, (DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3))
+    return optimizer if zero else None
+
+
+def partitions_parameters(engine: Any) -> bool:
+    """Whether the engine's parameters are partitioned too (ZeRO stage 3): a rank holds only
+    its partition of each (persistent small ones excepted) and gathers them in every forward
+    and backward."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    return isinstance(engine.optimizer, DeepSpeedZeroOptimizer_Stage3)
 
 
 def _optimized_tensors(engine: Any) -> tuple[Any, list[torch.Tensor]]:
     """The base optimizer and the tensors it updates (ZeRO's fp32 partitions, or the
     parameters)."""
     zero = zero_optimizer(engine)
-    if zero is not None:
-        return zero.optimizer, list(zero.single_partition_of_fp32_groups)
-    optimizer = engine.optimizer
-    return optimizer, [p for group in optimizer.param_groups for p in group["params"]]
+    if zero is None:
+        optimizer = engine.optimizer
+        return optimizer, [p for group in optimizer.param_groups for p in group["params"]]
+    if partitions_parameters(engine):
+        return zero.optimizer, list(zero.fp32_partitioned_groups_flat)
+    return zero.optimizer, list(zero.single_partition_of_fp32_groups)
+
+
+def _parameter_partitions(engine: Any) -> list[torch.Tensor]:
+    """At stage 3, this rank's partitions of the parameters in their training precision (the
+    flat buffers every parameter's partition is a view of), those that are not the fp32
+    partitions themselves (fp32 training updates them in place)."""
+    if not partitions_parameters(engine):
+        return []
+    zero = engine.optimizer
+    return [low for low, master in zip(zero.fp16_partitioned_groups_flat,
+                                       zero.fp32_partitioned_groups_flat, strict=True)
+            if low.data_ptr() != master.data_ptr()]
 
 
 def ensure_optimizer_state(engine: Any) -> None:
@@ -85,7 +112,7 @@ def shard_tensors(engine: Any) -> list[torch.Tensor]:
                            "state (step, exp_avg, exp_avg_sq)")
         shard.append(tensor.data)
         shard.extend(state[key].view(-1) if key == "step" else state[key] for key in _ADAM_STATE)
-    return shard
+    return shard + _parameter_partitions(engine)
 
 
 def hyperparameters(engine: Any) -> list[dict[str, Any]]:
@@ -111,7 +138,10 @@ def restore_counters(engine: Any, values: dict[str, int]) -> None:
 def reset_interrupted_step(engine: Any) -> None:
     """Clears what an interrupted ``train_batch`` left behind (see the module docstring)."""
     zero = zero_optimizer(engine)
-    if zero is not None:
+    if partitions_parameters(engine):
+        release_parameters(engine)
+        _reset_stage3_reduction(zero)
+    elif zero is not None:
         _reset_zero_reduction(zero)
     engine.optimizer.zero_grad(set_to_none=True)
     for parameter in engine.module.parameters():
@@ -144,11 +174,71 @@ def _reset_zero_reduction(zero: Any) -> None:
     zero._release_ipg_buffers()
     if zero.partition_gradients:
         zero.reset_partition_gradient_structures()
+    _reset_backward_hooks(zero)
+    for group in zero.bit16_groups:
+        for parameter in group:
+            parameter.grad_accum = None
+
+
+def module_tensors(engine: Any) -> list[torch.Tensor]:
+    """The module's tensors in a rank's state besides its shard: its parameters and buffers;
+    at ZeRO stage 3 its buffers only, since a parameter there is its partitions (which the
+    shard holds) and its gathered data is released at a switch (:func:`release_parameters`)."""
+    if not partitions_parameters(engine):
+        return module_state_tensors(engine.module)
+    return [tensor.data for _, tensor in sorted(engine.module.state_dict(keep_vars=True).items())
+            if isinstance(tensor, torch.Tensor) and not hasattr(tensor, "ds_id")]
+
+
+def release_parameters(engine: Any) -> None:
+    """ZeRO stage 3: every gathered or in-flight parameter back to its partition, persistent
+    ones included (an interrupted forward or backward leaves them gathered; an all-gather of a
+    lost peer never completes, and its handle is dropped, not waited for), the module stack of
+    the forward hooks back to the engine's module, and the recorded prefetch trace forgotten.
+
+    Done at every switch, on every rank, and on a joiner once it has its state, so that all
+    ranks gather the same parameters in the same order in the next iteration: a rank with a
+    trace prefetches in the trace's order, a rank without one (a joiner) gathers parameters as
+    they are used, and a persistent parameter is gathered only where it is not yet. Without
+    traces, every rank records one again in the next iteration, as at the start of training."""
+    import deepspeed.runtime.zero.parameter_offload as offload
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    module = engine.module
+    coordinator = engine.optimizer.parameter_offload.get_param_coordinator()
+    module.ds_inflight_param_registry.clear()
+    for parameter in module.parameters():
+        parameter.ds_active_sub_modules.clear()
+        if parameter.ds_status == ZeroParamStatus.INFLIGHT:  # an all-gather left unfinished
+            parameter.ds_status = ZeroParamStatus.AVAILABLE
+        if parameter.ds_status == ZeroParamStatus.AVAILABLE:
+            parameter.partition()
+    getattr(coordinator, "_PartitionedParameterCoordinator__active_backward_submodules").clear()
+    stack = offload.FWD_MODULE_STACK
+    if module in stack:
+        del stack[stack.index(module) + 1:]
+    if not coordinator.is_invalid_trace():
+        coordinator._invalidate_trace()
+
+
+def _reset_stage3_reduction(zero: Any) -> None:
+    """ZeRO stage 3's gradient reduction back to an iteration's start: no bucket pending, no
+    parameter counted as reduced, the next backward's partitions copied rather than added
+    (``micro_step_id`` 0), and the backward bookkeeping of the hooks cleared."""
+    for bucket in zero.ipg_buckets.values():
+        bucket.clear_params()
+    for key in zero.params_already_reduced:
+        zero.params_already_reduced[key] = False
+    zero.zero_grad(set_to_none=True)
+    for partition in zero.fp32_partitioned_groups_flat:
+        partition.grad = None
+    _reset_backward_hooks(zero)
+
+
+def _reset_backward_hooks(zero: Any) -> None:
+    """The ZeRO optimizer's record of the backward it is in, back to none begun."""
     hooks = zero._backward_hook_state
     hooks.backward_active_depth = 0
     hooks.remaining_grad_acc_hooks = 0
     hooks.reset_for_new_step()
     zero._epilogue_ran_this_backward = False
-    for group in zero.bit16_groups:
-        for parameter in group:
-            parameter.grad_accum = None

@@ -34,7 +34,8 @@ knows the DeepSpeed side:
   of its peer's shard comes with the next step's exchange.
 
 Limitations: pipeline engines (``PipelineModule``, ZeRO stage 0 or 1) and data-parallel
-engines without model parallelism (ZeRO stage 0, 1 or 2), with an Adam-family optimizer; the model must not draw random numbers while training (no dropout) for a rollback
+engines without model parallelism (ZeRO stage 0 to 3, no offload), with an Adam-family
+optimizer; the model must not draw random numbers while training (no dropout) for a rollback
 to be exact, since DeepSpeed's checkpoints do not hold RNG states (the redo without rollback
 restores them); a standby imports what ``deepspeed.initialize`` would import on first use
 and waits, it does not warm up in a sandbox.
@@ -60,6 +61,9 @@ from mover_plugin.deepspeed.engine_state import (
     data_parallel_group,
     ensure_optimizer_state,
     is_pipeline_engine,
+    module_tensors,
+    partitions_parameters,
+    release_parameters,
     reset_interrupted_step,
     hyperparameters,
     restore_counters,
@@ -71,7 +75,6 @@ from mover_plugin.errors import LaunchError
 from mover_plugin.layout import ParallelLayout
 from mover_plugin.progress import ProgressReporter
 from mover_plugin.runtime.adapter import Continuation, Transfer
-from mover_plugin.runtime.handover import module_state_tensors
 from mover_plugin.runtime.peer_copy import PeerCopy, decide_continuation
 from mover_plugin.runtime.resilience import ResilienceRuntime
 
@@ -330,10 +333,17 @@ class DeepSpeedResilience:
         return [self._engine], [groups, p2p]
 
     def after_switch(self) -> None:
+        engine = self._engine
+        if engine is None:
+            return
         # The joiner's engine announces its activation shapes on its first send; every rank
         # does so again, so that each pair of neighbours agrees.
-        if self._engine is not None and is_pipeline_engine(self._engine):
-            self._engine.reset_activation_shape()
+        if is_pipeline_engine(engine):
+            engine.reset_activation_shape()
+        # ZeRO-3: the joiner has no prefetch trace; no rank keeps one, so that all gather the
+        # same parameters in the same order.
+        if partitions_parameters(engine):
+            release_parameters(engine)
 
     def teardown(self) -> None:
         """DeepSpeed's groups go with the process group."""
@@ -357,7 +367,7 @@ class DeepSpeedResilience:
         """The stage's parameters, and: from the holder of a lost rank's shard copy, that copy;
         otherwise (a leaver's hand-over, a joiner receiving) this rank's own shard, whose
         optimizer state a joiner creates first."""
-        module = module_state_tensors(self._engine.module)
+        module = module_tensors(self._engine)
         if transfer is Transfer.COPY_SENT:
             assert self._peer_copy is not None
             return module + self._peer_copy.held()
@@ -374,3 +384,5 @@ class DeepSpeedResilience:
             self._engine.lr_scheduler.load_state_dict(state["scheduler"])
         # The scheduler sets the learning rate only after the next update.
         set_hyperparameters(self._engine, state["hyperparameters"])
+        if partitions_parameters(self._engine):
+            release_parameters(self._engine)  # gathered again from the received partitions
