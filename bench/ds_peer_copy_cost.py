@@ -2,8 +2,8 @@
 """Benchmark: what the peer copy costs an unmodified DeepSpeed data-parallel script, ZeRO-1 to 3.
 
 With ``"peer_copy": true`` in the ``"resilience"`` block, after every step each rank sends its
-ZeRO optimizer shard (fp32 partition and Adam moments; at stage 3 also its partition of the
-parameters in their training precision) to the next rank of its data-parallel group, which
+ZeRO optimizer shard (fp32 partition and Adam moments; at stage 3 too, where the parameters'
+partition follows from the fp32 one) to the next rank of its data-parallel group, which
 keeps it in host memory, so that a lost rank's shard can be taken from there instead of
 restarting the job. The same failure-free job (tests/scripts/ds_dp_train.py: a user's
 data-parallel script, DP4 on 4 CPU processes, two accumulation steps) runs under
@@ -17,7 +17,7 @@ in the exchange per step. Every run of a stage must end with the same PARAMS_DIG
 
 Usage::
 
-    python bench/ds_peer_copy_cost.py --repeats 3 --steps 30
+    python bench/ds_peer_copy_cost.py --repeats 3 --steps 30 [--stages 1,2,3]
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import statistics
 from pathlib import Path
+from typing import Any
 
 from common import (
     add_out_argument,
@@ -48,12 +49,15 @@ and partitions the matrices."""
 def main() -> None:
     parser = benchmark_parser(__doc__, repeats=3)
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--stages", default=",".join(map(str, STAGES)),
+                        help="the ZeRO stages to run, comma-separated (default: %(default)s)")
     add_out_argument(parser, "ds-peer-copy-cost")
     args = parser.parse_args()
+    stages = parse_stages(parser, args.stages)
     out = new_out_folder(args.out)
     out.mkdir(parents=True)
     configs = {}
-    for stage in STAGES:
+    for stage in stages:
         for copy in (True, False):
             path = out / f"zero{stage}-{'copy' if copy else 'no-copy'}.json"
             path.write_text(json.dumps({**json.loads(CONFIG.read_text()),
@@ -64,7 +68,7 @@ def main() -> None:
     runs = interleaved_in(out, list(configs), args.repeats,
                           lambda mode, folder: run(folder, configs[mode], args.steps),
                           lambda r: f"median step {r['step_s'] * 1000:.2f} ms")
-    for stage in STAGES:
+    for stage in stages:
         report(stage, runs[f"zero{stage}-copy"], runs[f"zero{stage}-no-copy"])
 
 
@@ -78,6 +82,17 @@ def run(folder: Path, config: Path, steps: int) -> dict:
             "bytes": {e["rank"]: e["bytes"] for e in copies},
             "copy_s": {e["rank"]: e["critical_s"] / e["exchanges"] for e in copies
                        if e["exchanges"]}}
+
+
+def parse_stages(parser: Any, value: str) -> list[int]:
+    try:
+        stages = [int(item) for item in value.split(",")]
+    except ValueError:
+        stages = []
+    if not stages or any(stage not in STAGES for stage in stages):
+        parser.error(f"--stages {value!r}: give ZeRO stages among {list(STAGES)}, "
+                     "comma-separated")
+    return stages
 
 
 def report(stage: int, copy: list[dict], no_copy: list[dict]) -> None:

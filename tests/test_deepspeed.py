@@ -100,8 +100,15 @@ def test_zero_settings_the_runtime_cannot_recover_are_refused_before_anything_st
     with pytest.raises(ConfigError, match='"zero_optimization.offload_param.device" \'cpu\' '
                        'cannot run with an enabled "resilience" block; supported: "none"'):
         parse_launch_args(["--num_gpus", "4", *script, offload], "py")
+    for key, value, valid in (("cpu_offload", True, "false"), ("zero_hpz_partition_size", 8, "1"),
+                              ("zero_quantized_weights", True, "false")):
+        refused = write_config(tmp_path, resilience={}, zero_optimization={"stage": 3,
+                                                                            key: value})
+        with pytest.raises(ConfigError, match=f'"zero_optimization.{key}" {value!r} cannot run '
+                           f'with an enabled "resilience" block; supported: {valid}'):
+            load_ds_config(refused)
     stage_3 = write_config(tmp_path, resilience={}, zero_optimization={
-        "stage": 3, "offload_optimizer": {"device": "none"}})
+        "stage": 3, "offload_optimizer": {"device": "none"}, "zero_hpz_partition_size": 1})
     assert load_ds_config(stage_3)[1] is not None
     off = write_config(tmp_path, resilience={"enabled": False}, zero_optimization={"stage": 4})
     assert load_ds_config(off)[1] is not None
@@ -150,3 +157,27 @@ def test_the_deepspeed_patches_apply_and_revert():
         assert PipelineEngine.train_batch is not originals[2]
     assert (backend.build_shm_op, backend.TorchBackend.new_group,
             PipelineEngine.train_batch) == originals
+
+
+def test_the_fp16_loss_scale_is_captured_and_restored_whole():
+    """DeepSpeed's dynamic loss scaler moves before the commit (an overflow halves the scale,
+    every step counts): the snapshot a redo starts from, and a joiner's state, carry it."""
+    from types import SimpleNamespace
+
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+
+    from mover_plugin.deepspeed.engine_state import loss_scale_state, restore_loss_scale_state
+
+    scaler = DynamicLossScaler(init_scale=2.0**16, scale_window=2, min_scale=1.0,
+                               delayed_shift=2, consecutive_hysteresis=False)
+    engine = SimpleNamespace(optimizer=SimpleNamespace(loss_scaler=scaler))
+    before = loss_scale_state(engine)
+    for _ in range(3):
+        scaler.update_scale(False)  # (an overflow would log through DeepSpeed's comm)
+    scaler.cur_hysteresis, scaler.last_overflow_iter = 1, 2
+    assert loss_scale_state(engine) == {"cur_scale": 2.0**17, "cur_iter": 3,
+                                        "last_overflow_iter": 2, "cur_hysteresis": 1}
+    restore_loss_scale_state(engine, before)
+    assert loss_scale_state(engine) == before == {
+        "cur_scale": 2.0**16, "cur_iter": 0, "last_overflow_iter": -1, "cur_hysteresis": 2}
+    assert loss_scale_state(SimpleNamespace(optimizer=object())) == {}

@@ -1,10 +1,11 @@
 """What the runtime reads and resets of a ZeRO stage-3 engine (mover_plugin.deepspeed.
-engine_state), on a real one-process DeepSpeed engine on gloo: the shard holds the rank's
-partitions of the parameters (writing into it changes them), a rank's module state is its
-buffers only, and ``release_parameters`` brings every parameter back to its partition (an
-all-gather left unfinished included) and forgets the prefetch trace, without changing what the
-next steps compute. Run in a separate interpreter: DeepSpeed's communication backend is global
-state of the process."""
+engine_state), on a real one-process DeepSpeed engine on gloo: the shard is the fp32 partition
+and its Adam state, the parameters' partitions follow it (``refresh_parameter_partitions``,
+what a joiner does with a received shard), a rank's module state is its buffers (and frozen
+parameters' partitions) only, and ``release_parameters`` brings every parameter back to its
+partition (an all-gather left unfinished included) and forgets the prefetch trace, without
+changing what the next steps compute. Run in a separate interpreter: DeepSpeed's communication
+backend is global state of the process."""
 
 import subprocess
 import sys
@@ -25,7 +26,8 @@ apply_patches("deepspeed-cpu")
 import deepspeed
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from mover_plugin.deepspeed.engine_state import (
-    module_tensors, partitions_parameters, release_parameters, shard_tensors)
+    module_tensors, partitions_parameters, refresh_parameter_partitions, release_parameters,
+    shard_tensors)
 
 CONFIG = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
           "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
@@ -73,19 +75,19 @@ print("same after steps", same)
 shard = shard_tensors(released)
 print("shard", len(shard), len(released.optimizer.fp32_partitioned_groups_flat))
 print("module tensors", len(module_tensors(released)))
-# Last in the shard: the flat buffer every parameter's partition is a view of.
-shard[-1].fill_(0.5)
+shard[0].fill_(0.5)  # the fp32 partition, as a joiner receives it
+refresh_parameter_partitions(released)
 print("partition written", all(bool((p.ds_tensor == 0.5).all())
                                for p in released.module.parameters()))
 '''
 
 
-def test_a_zero_3_engines_partitions_are_in_its_shard_and_a_release_changes_no_result():
+def test_a_zero_3_engines_partitions_follow_its_shard_and_a_release_changes_no_result():
     scripts = str(Path(__file__).parent / "scripts")
     result = subprocess.run([sys.executable, "-c", f"SCRIPTS = {scripts!r}\n{SCENARIO}"],
                             capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-4000:]
     lines = [line for line in result.stdout.splitlines()
              if line.split(" ")[0] in ("released", "same", "shard", "module", "partition")]
-    assert lines == ["released", "same after steps True", "shard 5 1", "module tensors 0",
+    assert lines == ["released", "same after steps True", "shard 4 1", "module tensors 0",
                      "partition written True"], result.stdout[-3000:]

@@ -117,12 +117,16 @@ def load_ds_config(path: str) -> tuple[dict[str, Any], Optional[DeepSpeedResilie
 
 SUPPORTED_ZERO_STAGES = (0, 1, 2, 3)
 _OFFLOADS = ("offload_optimizer", "offload_param")
+_UNSUPPORTED_SWITCHES = ("cpu_offload", "cpu_offload_param", "zero_quantized_weights",
+                         "zero_quantized_nontrainable_weights")
+"""ZeRO settings that keep state the runtime does not copy or reset (CPU offload by DeepSpeed's
+older keys, ZeRO++'s quantized weights): refused when true."""
 
 
 def _check_zero_stage(config: Mapping[str, Any], where: str) -> None:
     """The ZeRO settings the runtime recovers: stages 0 to 3, with the optimizer and the
     parameters on the accelerator (an offload to CPU memory or NVMe keeps state the runtime
-    does not copy)."""
+    does not copy), without ZeRO++'s quantized weights or hierarchical partitions."""
     zero = config.get("zero_optimization") or {}
     if not isinstance(zero, Mapping):
         return
@@ -137,6 +141,14 @@ def _check_zero_stage(config: Mapping[str, Any], where: str) -> None:
         if device not in (None, "none"):
             raise ConfigError(f'{where}: "zero_optimization.{name}.device" {device!r} cannot '
                               f'run with an enabled "{BLOCK}" block; supported: "none"')
+    for name in _UNSUPPORTED_SWITCHES:
+        if zero.get(name):
+            raise ConfigError(f'{where}: "zero_optimization.{name}" {zero[name]!r} cannot run '
+                              f'with an enabled "{BLOCK}" block; supported: false')
+    hpz = zero.get("zero_hpz_partition_size", 1)
+    if hpz not in (0, 1):
+        raise ConfigError(f'{where}: "zero_optimization.zero_hpz_partition_size" {hpz!r} '
+                          f'cannot run with an enabled "{BLOCK}" block; supported: 1')
 
 
 def config_path_in(script_args: Sequence[str]) -> Optional[str]:

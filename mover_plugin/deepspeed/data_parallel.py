@@ -43,6 +43,7 @@ from mover_plugin.deepspeed.micro_batches import (
     tap,
 )
 from mover_plugin.errors import LaunchError
+from mover_plugin.patches.local_collectives import GROUP as _CATCH_UP_LOCAL
 
 if TYPE_CHECKING:
     from mover_plugin.deepspeed.drop_in import DropIn
@@ -93,6 +94,8 @@ class DataParallelCalls:
             return self._stand_in_for(inputs, kwargs)
         if drop_in.catching_up:
             drop_in.end_catch_up()
+        if self._stand_in is None and self._runtime.joiner_of is not None:
+            self._prime_joiner(inputs, kwargs)
         if not self._micro:
             self._open()
         record = MicroBatch(inputs, kwargs, rng_state())
@@ -218,12 +221,24 @@ class DataParallelCalls:
             self._stand_in = stand_in(self._shape_forward(inputs, kwargs))
         return self._stand_in
 
+    def _prime_joiner(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """A joiner that had nothing to catch up on, at its first forward: at ZeRO stage 3 the
+        live ranks' first forward registered every parameter a module uses outside its own
+        (DeepSpeed gathers those with that module from then on); one local forward does the
+        same here, so that the joiner gathers what they gather."""
+        if not partitions_parameters(self._engine):
+            return
+        from mover_plugin.patches import apply_patches
+
+        with apply_patches(_CATCH_UP_LOCAL):
+            self._stand_in = stand_in(self._shape_forward(inputs, kwargs))
+
     def _shape_forward(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """A forward whose outputs give the stand-in its structure (made while the script
-        catches up, when torch.distributed's collectives act locally). At ZeRO stage 3 a
-        forward gathers the parameters, through DeepSpeed's backend too: that gathers locally
-        as well (the values are not used), then every parameter is released and the trace the
-        forward recorded forgotten."""
+        """A forward whose outputs give the stand-in its structure (made while
+        torch.distributed's collectives act locally). At ZeRO stage 3 a forward gathers the
+        parameters, through DeepSpeed's backend too: that gathers locally as well (the values
+        are not used), then every parameter is released and the trace the forward recorded
+        forgotten; the parameters it registered with the modules that use them stay."""
         engine = self._engine
         if not partitions_parameters(engine):
             with torch.no_grad():

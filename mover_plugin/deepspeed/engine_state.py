@@ -77,16 +77,18 @@ def _optimized_tensors(engine: Any) -> tuple[Any, list[torch.Tensor]]:
     return zero.optimizer, list(zero.single_partition_of_fp32_groups)
 
 
-def _parameter_partitions(engine: Any) -> list[torch.Tensor]:
-    """At stage 3, this rank's partitions of the parameters in their training precision (the
-    flat buffers every parameter's partition is a view of), those that are not the fp32
-    partitions themselves (fp32 training updates them in place)."""
+def refresh_parameter_partitions(engine: Any) -> None:
+    """ZeRO stage 3: this rank's partitions of the parameters in their training precision (the
+    flat buffers every parameter's partition is a view of) from its fp32 partitions, as
+    DeepSpeed's ``step`` writes them after each update. The shard therefore carries the fp32
+    partitions only; a rank that received them calls this."""
     if not partitions_parameters(engine):
-        return []
+        return
     zero = engine.optimizer
-    return [low for low, master in zip(zero.fp16_partitioned_groups_flat,
-                                       zero.fp32_partitioned_groups_flat, strict=True)
-            if low.data_ptr() != master.data_ptr()]
+    for low, master in zip(zero.fp16_partitioned_groups_flat,
+                           zero.fp32_partitioned_groups_flat, strict=True):
+        if low.data_ptr() != master.data_ptr():
+            low.data.copy_(master.data)
 
 
 def ensure_optimizer_state(engine: Any) -> None:
@@ -112,7 +114,7 @@ def shard_tensors(engine: Any) -> list[torch.Tensor]:
                            "state (step, exp_avg, exp_avg_sq)")
         shard.append(tensor.data)
         shard.extend(state[key].view(-1) if key == "step" else state[key] for key in _ADAM_STATE)
-    return shard + _parameter_partitions(engine)
+    return shard
 
 
 def hyperparameters(engine: Any) -> list[dict[str, Any]]:
@@ -124,6 +126,23 @@ def hyperparameters(engine: Any) -> list[dict[str, Any]]:
 def set_hyperparameters(engine: Any, settings: list[dict[str, Any]]) -> None:
     for group, values in zip(engine.optimizer.param_groups, settings, strict=True):
         group.update(values)
+
+
+_LOSS_SCALE_STATE = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+"""What DeepSpeed's dynamic loss scaler changes as it trains (fp16)."""
+
+
+def loss_scale_state(engine: Any) -> dict[str, Any]:
+    """The fp16 loss scaler's state (empty without one): it moves before the commit, so an
+    iteration redone after a peer lost there must start from it, and a joiner needs it."""
+    scaler = getattr(engine.optimizer, "loss_scaler", None)
+    return {name: getattr(scaler, name) for name in _LOSS_SCALE_STATE if hasattr(scaler, name)}
+
+
+def restore_loss_scale_state(engine: Any, state: dict[str, Any]) -> None:
+    scaler = getattr(engine.optimizer, "loss_scaler", None)
+    for name, value in state.items():
+        setattr(scaler, name, value)
 
 
 def counters(engine: Any) -> dict[str, int]:
@@ -181,13 +200,22 @@ def _reset_zero_reduction(zero: Any) -> None:
 
 
 def module_tensors(engine: Any) -> list[torch.Tensor]:
-    """The module's tensors in a rank's state besides its shard: its parameters and buffers;
-    at ZeRO stage 3 its buffers only, since a parameter there is its partitions (which the
-    shard holds) and its gathered data is released at a switch (:func:`release_parameters`)."""
+    """The module's tensors in a rank's state besides its shard: its parameters and buffers.
+    At ZeRO stage 3 a parameter is its partitions (its gathered data is released at a switch,
+    :func:`release_parameters`): a trained one's come from the shard's fp32 partitions
+    (:func:`refresh_parameter_partitions`), a frozen one's partition is sent here, with the
+    buffers."""
     if not partitions_parameters(engine):
         return module_state_tensors(engine.module)
-    return [tensor.data for _, tensor in sorted(engine.module.state_dict(keep_vars=True).items())
-            if isinstance(tensor, torch.Tensor) and not hasattr(tensor, "ds_id")]
+    tensors = []
+    for _, tensor in sorted(engine.module.state_dict(keep_vars=True).items()):
+        if not isinstance(tensor, torch.Tensor):
+            continue
+        if not hasattr(tensor, "ds_id"):
+            tensors.append(tensor.data)
+        elif not tensor.requires_grad:
+            tensors.append(tensor.ds_tensor.data)
+    return tensors
 
 
 def release_parameters(engine: Any) -> None:
@@ -206,6 +234,14 @@ def release_parameters(engine: Any) -> None:
 
     module = engine.module
     coordinator = engine.optimizer.parameter_offload.get_param_coordinator()
+    for submodule in module.modules():
+        # An interrupted engine forward leaves its "in forward" mark, with which reading a
+        # partitioned parameter gathers it on this rank alone.
+        if isinstance(submodule._parameters, offload.ZeROOrderedDict):
+            submodule._parameters._in_forward = False
+        recompute = getattr(submodule, "ds_recompute_parameters", None)
+        if recompute is not None:
+            recompute.clear()
     module.ds_inflight_param_registry.clear()
     for parameter in module.parameters():
         parameter.ds_active_sub_modules.clear()
@@ -219,6 +255,20 @@ def release_parameters(engine: Any) -> None:
         del stack[stack.index(module) + 1:]
     if not coordinator.is_invalid_trace():
         coordinator._invalidate_trace()
+    _forget_release_sets(coordinator)
+
+
+def _forget_release_sets(coordinator: Any) -> None:
+    """The coordinator caches which parameters each module releases at each step of a trace
+    (an ``lru_cache`` inside DeepSpeed's NVTX wrapper); a new trace must not meet the old
+    trace's sets."""
+    method = type(coordinator).__dict__["_PartitionedParameterCoordinator__params_to_release"]
+    for cell in method.__closure__ or ():
+        if hasattr(cell.cell_contents, "cache_clear"):
+            cell.cell_contents.cache_clear()
+            return
+    raise RuntimeError("DeepSpeed's parameter coordinator has no release-set cache where "
+                       "mover_plugin expects it (written for DeepSpeed 0.19.8)")
 
 
 def _reset_stage3_reduction(zero: Any) -> None:

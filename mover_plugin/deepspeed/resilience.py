@@ -61,10 +61,13 @@ from mover_plugin.deepspeed.engine_state import (
     data_parallel_group,
     ensure_optimizer_state,
     is_pipeline_engine,
+    loss_scale_state,
     module_tensors,
     partitions_parameters,
+    refresh_parameter_partitions,
     release_parameters,
     reset_interrupted_step,
+    restore_loss_scale_state,
     hyperparameters,
     restore_counters,
     set_hyperparameters,
@@ -350,7 +353,8 @@ class DeepSpeedResilience:
 
     def capture_snapshot(self) -> dict[str, Any]:
         snapshot = {"random": random.getstate(), "numpy": np.random.get_state(),
-                    "torch": torch.get_rng_state(), "counters": counters(self._engine)}
+                    "torch": torch.get_rng_state(), "counters": counters(self._engine),
+                    "loss_scale": loss_scale_state(self._engine)}
         if torch.cuda.is_available():
             snapshot["cuda"] = torch.cuda.get_rng_state_all()
         return snapshot
@@ -362,6 +366,7 @@ class DeepSpeedResilience:
         if "cuda" in snapshot:
             torch.cuda.set_rng_state_all(snapshot["cuda"])
         restore_counters(self._engine, snapshot["counters"])
+        restore_loss_scale_state(self._engine, snapshot["loss_scale"])
 
     def state_tensors(self, transfer: Transfer) -> list[torch.Tensor]:
         """The stage's parameters, and: from the holder of a lost rank's shard copy, that copy;
@@ -385,4 +390,5 @@ class DeepSpeedResilience:
         # The scheduler sets the learning rate only after the next update.
         set_hyperparameters(self._engine, state["hyperparameters"])
         if partitions_parameters(self._engine):
+            refresh_parameter_partitions(self._engine)
             release_parameters(self._engine)  # gathered again from the received partitions
