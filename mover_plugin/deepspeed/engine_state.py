@@ -1,22 +1,27 @@
 """What a DeepSpeed engine holds, from the resilience runtime's point of view.
 
-- :func:`shard_tensors`: a rank's own ZeRO stage-1/2 optimizer shard — for each parameter group
-  the fp32 master partition and the optimizer's state of it (Adam's step, first and second
-  moments) — as a list of live tensors, in a fixed order, equal in shapes on every rank of a
-  data-parallel group (ZeRO pads the partitions to one size). A fresh optimizer has no state
-  until its first step; :func:`ensure_optimizer_state` creates it (zeros) so that a joiner can
-  receive a shard in place. Without ZeRO (stage 0) the optimizer state is replicated and the
-  "shard" is the whole of it.
+- :func:`shard_tensors`: a rank's own ZeRO optimizer shard — for each parameter group (at
+  stage 3, each sub-group) the fp32 master partition and the optimizer's state of it (Adam's
+  step, first and second moments) — as a list of live tensors, in a fixed order, equal in
+  shapes on every rank of a data-parallel group (ZeRO pads the partitions to one size). A fresh
+  optimizer has no state until its first step; :func:`ensure_optimizer_state` creates it
+  (zeros) so that a joiner can receive a shard in place. Without ZeRO (stage 0) the optimizer
+  state is replicated and the "shard" is the whole of it.
+- :func:`module_tensors`: the rest of a rank's state, its module's parameters and buffers (at
+  stage 3 its buffers and frozen parameters' partitions; :func:`refresh_parameter_partitions`
+  casts the trained parameters' partitions from a received shard).
 - :func:`counters` / :func:`restore_counters`: the engine's step counters;
+  :func:`loss_scale_state` / :func:`restore_loss_scale_state`: fp16's dynamic loss scale;
   :func:`hyperparameters` / :func:`set_hyperparameters`: the optimizer's parameter-group
   settings, which the learning-rate scheduler sets after each update.
 - :func:`reset_interrupted_step`: what an iteration that was left in the middle leaves
   behind — accumulated gradients, ZeRO's reduction buckets, its stage-2 partition buffer and
-  backward bookkeeping, the pipeline's activation-shape handshake — cleared, so the iteration
-  can be run again.
+  backward bookkeeping, at stage 3 the gathered parameters and the prefetch trace
+  (:func:`release_parameters`, also run at every switch), the pipeline's activation-shape
+  handshake — cleared, so the iteration can be run again.
 
-Written for DeepSpeed 0.19.8's ``DeepSpeedZeroOptimizer``, ``DeepSpeedEngine`` and
-``PipelineEngine``.
+Written for DeepSpeed 0.19.8's ``DeepSpeedZeroOptimizer``, ``DeepSpeedZeroOptimizer_Stage3``
+(and its parameter coordinator), ``DeepSpeedEngine`` and ``PipelineEngine``.
 """
 
 from __future__ import annotations
