@@ -4,7 +4,8 @@ and its Adam state, the parameters' partitions follow it (``refresh_parameter_pa
 what a joiner does with a received shard), a rank's module state is its buffers (and frozen
 parameters' partitions) only, and ``release_parameters`` brings every parameter back to its
 partition (an all-gather left unfinished included) and forgets the prefetch trace, without
-changing what the next steps compute. Run in a separate interpreter: DeepSpeed's communication
+changing what the next steps compute, nor does the reset of an iteration interrupted with gradients not yet
+reduced. Run in a separate interpreter: DeepSpeed's communication
 backend is global state of the process."""
 
 import subprocess
@@ -27,7 +28,7 @@ import deepspeed
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from mover_plugin.deepspeed.engine_state import (
     module_tensors, partitions_parameters, refresh_parameter_partitions, release_parameters,
-    shard_tensors)
+    reset_interrupted_step, shard_tensors)
 
 CONFIG = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
           "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
@@ -67,6 +68,17 @@ for step in range(2, 5):
     train(released, step)
     train(kept, step)
     release_parameters(released)
+train(released, 5)
+train(kept, 5)
+# A backward interrupted before it reduced its last bucket leaves gradients on the parameters
+# it holds whole (here the persistent ones, gathered since the step).
+whole = [p for p in released.module.parameters() if p.ds_status == ZeroParamStatus.AVAILABLE]
+for parameter in whole:
+    parameter.grad = torch.ones_like(parameter)
+reset_interrupted_step(released)
+print("grads after reset", len(whole) > 0, {p.grad for p in released.module.parameters()})
+train(released, 6)
+train(kept, 6)
 with deepspeed.zero.GatheredParameters(list(released.module.parameters())), \
         deepspeed.zero.GatheredParameters(list(kept.module.parameters())):
     same = all(torch.equal(a, b) for a, b in zip(released.module.parameters(),
@@ -88,6 +100,8 @@ def test_a_zero_3_engines_partitions_follow_its_shard_and_a_release_changes_no_r
                             capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-4000:]
     lines = [line for line in result.stdout.splitlines()
-             if line.split(" ")[0] in ("released", "same", "shard", "module", "partition")]
-    assert lines == ["released", "same after steps True", "shard 4 1", "module tensors 0",
+             if line.split(" ")[0] in ("released", "grads", "same", "shard", "module",
+                                       "partition")]
+    assert lines == ["released", "grads after reset True {None}", "same after steps True", "shard 4 1",
+                     "module tensors 0",
                      "partition written True"], result.stdout[-3000:]

@@ -284,6 +284,11 @@ def _reset_stage3_reduction(zero: Any) -> None:
         bucket.clear_params()
     for key in zero.params_already_reduced:
         zero.params_already_reduced[key] = False
+    for group in zero.fp16_groups:
+        for parameter in group:
+            # A gradient the interrupted backward had not yet reduced. (DeepSpeed's zero_grad
+            # would record it on the accelerator's stream, which fails on CPU.)
+            parameter.grad = None
     zero.zero_grad(set_to_none=True)
     for partition in zero.fp32_partitioned_groups_flat:
         partition.grad = None
