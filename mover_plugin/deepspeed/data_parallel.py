@@ -43,6 +43,7 @@ from mover_plugin.deepspeed.micro_batches import (
     tap,
 )
 from mover_plugin.errors import LaunchError
+from mover_plugin.patches import apply_patches
 from mover_plugin.patches.local_collectives import GROUP as _CATCH_UP_LOCAL
 
 if TYPE_CHECKING:
@@ -69,6 +70,8 @@ class DataParallelCalls:
         """When the open iteration began: wall-clock (the runtime's), and for its progress."""
         self._stand_in: Any = None
         self._catch_up_micro = 0
+        self._primed = False
+        """Whether this process's first iteration began (a joiner is primed before it)."""
         engine.forward, engine.backward, engine.step = self.forward, self.backward, self.step
 
     @property
@@ -94,7 +97,8 @@ class DataParallelCalls:
             return self._stand_in_for(inputs, kwargs)
         if drop_in.catching_up:
             drop_in.end_catch_up()
-        if self._stand_in is None and self._runtime.joiner_of is not None:
+        if not self._primed:
+            self._primed = True
             self._prime_joiner(inputs, kwargs)
         if not self._micro:
             self._open()
@@ -226,10 +230,10 @@ class DataParallelCalls:
         live ranks' first forward registered every parameter a module uses outside its own
         (DeepSpeed gathers those with that module from then on); one local forward does the
         same here, so that the joiner gathers what they gather."""
-        if not partitions_parameters(self._engine):
+        needed = (self._stand_in is None and self._runtime.joiner_of is not None
+                  and partitions_parameters(self._engine))
+        if not needed:
             return
-        from mover_plugin.patches import apply_patches
-
         with apply_patches(_CATCH_UP_LOCAL):
             self._stand_in = stand_in(self._shape_forward(inputs, kwargs))
 
@@ -243,8 +247,6 @@ class DataParallelCalls:
         if not partitions_parameters(engine):
             with torch.no_grad():
                 return self._forward(*inputs, **kwargs)
-        from mover_plugin.patches import apply_patches
-
         with torch.no_grad(), apply_patches("deepspeed-local-collectives"):
             outputs = self._forward(*inputs, **kwargs)
         release_parameters(engine)
