@@ -215,8 +215,7 @@ class Context:
         """The parallel layout rank 0 published; None before the workers trained."""
         if not self.store.check([LAYOUT_KEY]):
             return None
-        raw = json.loads(self.store.get(LAYOUT_KEY))
-        return ParallelLayout(tp=raw["tp"], pp=raw["pp"], dp=raw["dp"])
+        return ParallelLayout.of_record(json.loads(self.store.get(LAYOUT_KEY)))
 
     def template_spec(self) -> Optional[TemplateSpec]:
         """What rank 0 published about training on pipeline templates; None when the job

@@ -12,6 +12,10 @@ on a machine without CUDA and, for a script whose DeepSpeed config enables a ``"
 block, the drop-in's hooks (:mod:`mover_plugin.deepspeed.drop_in`). A script that
 imports no such framework runs unchanged, and nothing is imported before it needs it.
 
+A DeepSpeed standby with ``"standby_shadow_iterations"`` runs its script twice: first in the
+sandbox, to warm up, until the drop-in unwinds it; then, once promoted, for real
+(:mod:`mover_plugin.deepspeed.shadow_run`).
+
 When the script ends while a thread is still blocked in the wait of an operation abandoned with
 its group, the process skips the interpreter's teardown, which that thread would abort
 (:func:`mover_plugin.runtime.exits.end_of_script`).
@@ -129,11 +133,34 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         sys.exit(2)
     install_framework_hooks()
     try:
-        _run(argv)
+        _run_to_the_end(argv)
     except BaseException as end:  # SystemExit included: the script's exit status
         _end_of_script(end)
         raise
     _end_of_script(None)
+
+
+def _run_to_the_end(argv: list[str]) -> None:
+    """Runs the script; again after a DeepSpeed standby's shadow run of it ended."""
+    while True:
+        try:
+            _run(list(argv))
+        except BaseException as end:  # noqa: BLE001 - re-raised unless a shadow run ended
+            if not _shadow_run_ended(end):
+                raise
+            continue
+        if not _shadow_run_ended(None):
+            return
+
+
+def _shadow_run_ended(end: Optional[BaseException]) -> bool:
+    """Whether the script that ended was a DeepSpeed standby's shadow run
+    (:mod:`mover_plugin.deepspeed.shadow_run`)."""
+    if "mover_plugin.deepspeed.drop_in" not in sys.modules:
+        return False
+    from mover_plugin.deepspeed.drop_in import end_shadow_run
+
+    return end_shadow_run(end)
 
 
 def _run(argv: list[str]) -> None:

@@ -44,6 +44,15 @@ class ParallelLayout:
             )
         return cls(tp=tp, pp=pp, dp=world_size // (tp * pp))
 
+    @classmethod
+    def of_record(cls, record: dict[str, int]) -> "ParallelLayout":
+        """The layout of a published record (:meth:`record`)."""
+        return cls(tp=record["tp"], pp=record["pp"], dp=record["dp"])
+
+    def record(self) -> dict[str, int]:
+        """The layout as a record to publish (JSON)."""
+        return {"tp": self.tp, "pp": self.pp, "dp": self.dp}
+
     @property
     def world_size(self) -> int:
         return self.tp * self.dp * self.pp

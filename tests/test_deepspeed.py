@@ -24,6 +24,9 @@ def test_an_empty_block_means_the_defaults():
     block = parse_block({}, "ds.json")
     assert block.settings.enabled and block.standbys == 1 and not block.peer_copy
     assert block.settings.failure_timeout_s == 5.0
+    assert block.settings.standby_shadow_iterations == 0  # opt-in (unlike the Megatron flag)
+    assert parse_block({"standby_shadow_iterations": 3}, "ds.json").settings \
+        .standby_shadow_iterations == 3
 
 
 @pytest.mark.parametrize("block, message", [
@@ -31,13 +34,14 @@ def test_an_empty_block_means_the_defaults():
     ({"peer_copy": "yes"}, '"resilience.peer_copy" \'yes\' must be true or false'),
     ({"failure_timeout": 5}, '"resilience.failure_timeout" is not a setting; valid keys: '
      "['collective_timeout_s', 'enabled', 'failure_timeout_s', 'heartbeat_interval_s', "
-     "'peer_copy', 'standbys']"),
+     "'peer_copy', 'standby_shadow_iterations', 'standbys']"),
     ({"heartbeat_interval_s": 9}, '"resilience.heartbeat_interval_s" 9 must be below '
      '"resilience.failure_timeout_s" 5.0'),
     ({"collective_timeout_s": 0}, '"resilience.collective_timeout_s" 0 must be a positive'),
     ({"enabled": 1}, '"resilience.enabled" 1 must be true or false'),
-    ({"standby_shadow_iterations": 2}, '"resilience.standby_shadow_iterations" is not a '
-     "DeepSpeed setting"),
+    ({"standby_shadow_iterations": -1}, '"resilience.standby_shadow_iterations" -1 must be a '
+     "whole number of at least 0"),
+    ({"fault_tolerance": 1}, '"resilience.fault_tolerance" is not a DeepSpeed setting'),
     ([1], '"resilience" must be an object of settings'),
 ])
 def test_a_bad_block_names_the_key_and_the_valid_values(block, message):

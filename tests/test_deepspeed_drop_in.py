@@ -25,6 +25,8 @@ partitioned: both kinds are recovered."""
 ZERO_3_DEFAULTS = {**CONFIG, "zero_optimization": {"stage": 3}}
 """DeepSpeed's default persistence threshold keeps every parameter of this tiny model whole on
 every rank (the same training, so the same reference)."""
+SHADOW = 2
+"""Iterations a warmed standby runs its script in the sandbox."""
 STEPS = 12
 """Long enough for a migration requested at step 3 (its joiner prepares for a few steps) and a
 SIGKILL at step 6 to both happen before the script ends."""
@@ -83,12 +85,14 @@ def test_a_migration_and_a_sigkill_continue_in_place_with_the_failure_free_resul
         tmp_path, reference):
     """Rank 3 (last stage: it reads the labels) migrates; then rank 0 (first stage: it reads
     the tokens) is killed. Each joiner's script catches up through the steps it missed and
-    trains on from the job's iteration. (The script's loader forks no worker: with
+    trains on from the job's iteration. Each standby warmed up first, running its script in
+    the sandbox, and ran it again once promoted. (The script's loader forks no worker: with
     DeepSpeed's own forking loader this job failed 2 times in about 20, cause not found; see
     the limits in docs/deepspeed.md.)"""
-    result, summary, events = resilient_job(tmp_path, {"peer_copy": True, "standbys": 2},
-                                            "--inject-migration", "3:3",
+    block = {"peer_copy": True, "standbys": 2, "standby_shadow_iterations": SHADOW}
+    result, summary, events = resilient_job(tmp_path, block, "--inject-migration", "3:3",
                                             "--inject-failure", "0:6")
+    check_warmed_standbys(events, shadow_rank=1)  # stage 0 of replica 1 (PP2·DP2)
     assert digest(result) == digest(reference)
     assert trained_losses(result) == trained_losses(reference)
     assert len(trained_losses(result)) == STEPS
@@ -118,24 +122,32 @@ def test_a_data_parallel_script_recovers_a_sigkill_inside_an_iteration_and_a_mig
     check_migration_and_sigkill(tmp_path, ZERO_2, data_parallel_reference)
 
 
-@pytest.mark.parametrize("config, leaver, killed", [(ZERO_3, 3, 0), (ZERO_3_DEFAULTS, 2, 1)],
-                         ids=["partitioned", "all-persistent"])
+@pytest.mark.parametrize("config, leaver, killed, shadow", [(ZERO_3, 3, 0, SHADOW),
+                                                             (ZERO_3_DEFAULTS, 2, 1, 0)],
+                         ids=["partitioned-warm-standbys", "all-persistent"])
 def test_zero_3_recovers_a_sigkill_inside_an_iteration_and_a_migration(
-        tmp_path, zero_3_reference, config, leaver, killed):
+        tmp_path, zero_3_reference, config, leaver, killed, shadow):
     """The same at ZeRO-3, where every forward and backward gathers the parameters: the lost
     rank's partitions of them come from the peer copy with its optimizer shard, and every rank
     releases its gathered parameters and its prefetch trace at each switch. With every
     parameter kept whole (DeepSpeed's default threshold for this tiny model), the gradients
     are reduced at the end of each backward, where a lost peer can leave them unreduced on the
-    parameters."""
-    check_migration_and_sigkill(tmp_path, config, zero_3_reference, leaver, killed)
+    parameters. In the first job the standbys warm up in the sandbox first: a ZeRO-3 engine
+    built there, as rank 3, must leave nothing behind that the real one (ZeRO-3 numbers its
+    modules and parameters process-wide) would trip on."""
+    check_migration_and_sigkill(tmp_path, config, zero_3_reference, leaver, killed, shadow)
 
 
-def check_migration_and_sigkill(tmp_path, config, reference, leaver=3, killed=0):
-    result, summary, events = resilient_job(tmp_path, {"peer_copy": True, "standbys": 2},
+def check_migration_and_sigkill(tmp_path, config, reference, leaver=3, killed=0, shadow=0):
+    block = {"peer_copy": True, "standbys": 2, "standby_shadow_iterations": shadow}
+    result, summary, events = resilient_job(tmp_path, block,
                                             "--inject-migration", f"{leaver}:3",
                                             "--inject-failure", f"{killed}:6",
                                             script=DATA_PARALLEL, config=config)
+    if shadow:
+        check_warmed_standbys(events, shadow_rank=3)  # the last of 4 replicas
+    else:
+        assert not [e for e in events if "shadow_rank" in e]  # cold: imports only
     assert digest(result) == digest(reference)
     assert trained_losses(result) == trained_losses(reference)
     assert len(trained_losses(result)) == STEPS
@@ -156,6 +168,22 @@ def check_migration_and_sigkill(tmp_path, config, reference, leaver=3, killed=0)
     assert all(s > 0 for _, s in caught_up)
     if 0 in (leaver, killed):  # rank 0's joiner printed its catch-up's NaN losses
         assert re.search(rf"^step 1/{STEPS} \| loss nan$", result.stdout, re.MULTILINE)
+
+
+def check_warmed_standbys(events, shadow_rank):
+    """Every standby ran its script SHADOW iterations in the sandbox as ``shadow_rank``, was
+    unwound and put DeepSpeed's state back before it reported ready; every promoted standby
+    was one of them."""
+    warmed = {e["standby"]: e for e in events
+              if e["event"] == "standby_warmed" and "shadow_rank" in e}
+    ready = {e["standby"]: e["time"] for e in events if e["event"] == "standby_ready"}
+    promoted = [e["standby"] for e in events if e["event"] == "promote"]
+    assert ready and set(ready) <= set(warmed) and promoted and set(promoted) <= set(warmed)
+    for standby, report in warmed.items():
+        assert (report["outcome"], report["shadow_iterations"], report["shadow_rank"]) == \
+            ("unwound", SHADOW, shadow_rank), report
+        assert report["sandbox_operations"] > 0 and report["state_restored"] > 0
+        assert report["time"] <= ready.get(standby, float("inf"))
 
 
 def test_a_rank_lost_at_the_commit_of_a_step_is_recovered_by_redoing_every_micro_batch(

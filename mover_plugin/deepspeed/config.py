@@ -11,7 +11,9 @@ Every key is optional. ``enabled`` (default true), the timeouts ``heartbeat_inte
 the Megatron flags; ``standbys`` (default 1) is the number of standby processes per host that
 ``mover-launch`` starts; ``peer_copy`` (default false) keeps a copy of each rank's ZeRO optimizer
 shard on a data-parallel peer, so a lost shard is taken from there instead of rolling every
-rank back to the last checkpoint.
+rank back to the last checkpoint. ``standby_shadow_iterations`` (default 0 here, unlike the Megatron
+flag's 2) makes each standby run its script that many iterations in the sandbox before it
+reports ready (:mod:`mover_plugin.deepspeed.shadow_run`).
 
 ``mover-launch`` reads the block from the script's ``--deepspeed_config`` before anything
 starts, and the training script reads it again with :func:`load_ds_config`, which also returns
@@ -32,9 +34,10 @@ BLOCK = "resilience"
 CONFIG_FLAGS = ("--deepspeed_config", "--deepspeed-config")
 """The script flags that name the DeepSpeed config (``deepspeed.add_config_arguments``)."""
 _LAUNCH_KEYS = ("standbys", "peer_copy")
+DEFAULT_SHADOW_ITERATIONS = 0
+"""A DeepSpeed standby's shadow run is opt-in: the script's own side effects (files it writes)
+would happen in it too (:mod:`mover_plugin.deepspeed.shadow_run`)."""
 _NOT_FOR_DEEPSPEED = {
-    "standby_shadow_iterations": "a DeepSpeed standby does not warm up in a sandbox (it "
-                                 "imports what deepspeed.initialize needs and waits)",
     "fault_tolerance": "a DeepSpeed job does not shrink onto pipeline templates (without a "
                        "ready standby it falls back to a restart)",
 }
@@ -83,7 +86,8 @@ def _parse_block(block: Any) -> DeepSpeedResilience:
     peer_copy = block.get("peer_copy", False)
     if not isinstance(peer_copy, bool):
         raise ConfigError(f"{name('peer_copy')} {peer_copy!r} must be true or false")
-    values = {"enabled": True, **{k: v for k, v in block.items() if k not in _LAUNCH_KEYS}}
+    values = {"enabled": True, "standby_shadow_iterations": DEFAULT_SHADOW_ITERATIONS,
+              **{k: v for k, v in block.items() if k not in _LAUNCH_KEYS}}
     settings = ResilienceSettings(**values).validate(name)
     return DeepSpeedResilience(settings, standbys, peer_copy)
 

@@ -63,6 +63,7 @@ from mover_plugin.deepspeed.config import config_path_in, load_ds_config
 from mover_plugin.deepspeed.data_parallel import DataParallelCalls
 from mover_plugin.deepspeed.engine_state import is_pipeline_engine
 from mover_plugin.deepspeed.resilience import DeepSpeedResilience
+from mover_plugin.deepspeed.shadow_run import ShadowRun, shadow_rank
 from mover_plugin.patches import AppliedPatches, apply_inactive_patches, apply_patches
 from mover_plugin.patches.deepspeed_hooks import DeepSpeedHooks, install_hooks
 from mover_plugin.runtime.replay import ReplayableIterator
@@ -94,6 +95,13 @@ def finish() -> None:
         drop_in.resilience.finish()
 
 
+def end_shadow_run(end: Optional[BaseException]) -> bool:
+    """Whether the script that ended (``end``: how; None if it returned) was a standby's shadow
+    run, which then ends (:meth:`DropIn.end_shadow_run`): the script runs again."""
+    drop_in = DropIn.installed
+    return drop_in is not None and drop_in.end_shadow_run(end)
+
+
 def _resilience_block(script_args: list[str]) -> Optional[ResilienceBlock]:
     path = config_path_in(script_args)
     return None if path is None else load_ds_config(path)[1]
@@ -116,14 +124,63 @@ class DropIn(DeepSpeedHooks):
         self._attempted = -1
         self._catch_up_began = (0, 0.0)
         """A joiner's catch-up: the calls it had to make, and when it began."""
+        self._distributed = False
+        """Whether the runtime's groups are up (after a standby's promotion)."""
+        self._shadow: Optional[ShadowRun] = None
+        """A standby's shadow run, once it began."""
+
+    # -- a standby's shadow run -----------------------------------------------------------
+
+    @property
+    def shadow_running(self) -> bool:
+        """Whether the script runs in the sandbox, for a standby's warm-up."""
+        return self._shadow is not None and self._shadow.running
+
+    def _begin_shadow_run(self) -> bool:
+        """A standby with ``standby_shadow_iterations`` begins its shadow run as the rank the
+        job's layout gives (:func:`~mover_plugin.deepspeed.shadow_run.shadow_rank`); False
+        when it makes none (not a standby, none asked for, or no layout in time)."""
+        assert self.resilience is not None
+        runtime = self.resilience.runtime
+        iterations = runtime.settings.standby_shadow_iterations
+        if not runtime.is_standby or iterations == 0:
+            return False
+        layout = runtime.control.wait_for_layout(runtime.settings.collective_timeout_s)
+        if layout is None:
+            logger.warning("standby: the job published no layout within %.0f s; no shadow run",
+                           runtime.settings.collective_timeout_s)
+            return False
+        self._shadow = ShadowRun(iterations, shadow_rank(layout), runtime.world_size)
+        self._shadow.begin()
+        return True
+
+    def end_shadow_run(self, end: Optional[BaseException]) -> bool:
+        """The script ended (``end``: how; None if it returned): if that was a shadow run,
+        puts DeepSpeed back as it was, posts the standby's warm-up and returns True (its
+        script then runs again); otherwise returns False."""
+        if not self.shadow_running or isinstance(end, KeyboardInterrupt):
+            return False
+        assert self._shadow is not None and self.resilience is not None
+        report = self._shadow.end(end)
+        control = self.resilience.runtime.control
+        control.post("standby_warmed", standby=control.standby_id, time=time.time(), **report)
+        return True
 
     # -- hook points ----------------------------------------------------------------------
 
     def around_init_distributed(self, init: Callable[..., Any], *args: Any,
                                 **kwargs: Any) -> Any:
-        if self.resilience is not None or DeepSpeedResilience.started is not None:
+        if self._distributed or self.shadow_running or (
+                self.resilience is None and DeepSpeedResilience.started is not None):
             return init(*args, **kwargs)  # set up already, or a script that drives the runtime
-        self.resilience = DeepSpeedResilience.start(self.block)
+        if self.resilience is None:
+            self.resilience = DeepSpeedResilience.start(self.block, wait=False)
+        if self._shadow is None and self._begin_shadow_run():
+            return init(*args, **kwargs)  # on the sandbox's group
+        if self._shadow is not None:
+            self._shadow.release()
+        self.resilience.wait_if_standby(warmed=self._shadow is not None)
+        self._distributed = True
         self.resilience.runtime.switch_before_next_step = True
         self.resilience.initialize_distributed()
         result = init(*args, **kwargs)
@@ -136,6 +193,10 @@ class DropIn(DeepSpeedHooks):
         if self.resilience is None:  # the script drives the runtime itself
             return initialize(*args, **kwargs)
         result = initialize(*args, **kwargs)
+        if self.shadow_running:
+            assert self._shadow is not None
+            self._shadow.watch(result[0])
+            return result
         engine = self._engine = result[0]
         self.resilience.adopt_engine(engine)
         self.resilience.attach(engine, load=_no_rollback_in_place)

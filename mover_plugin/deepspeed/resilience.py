@@ -38,7 +38,8 @@ engines without model parallelism (ZeRO stage 0 to 3, no offload), with an Adam-
 optimizer; the model must not draw random numbers while training (no dropout) for a rollback
 to be exact, since DeepSpeed's checkpoints do not hold RNG states (the redo without rollback
 restores them); a standby imports what ``deepspeed.initialize`` would import on first use
-and waits, it does not warm up in a sandbox.
+and waits, or, under the drop-in with ``"standby_shadow_iterations"``, first runs its script in
+the sandbox (:mod:`mover_plugin.deepspeed.shadow_run`).
 """
 
 from __future__ import annotations
@@ -122,15 +123,27 @@ class DeepSpeedResilience:
     # -- what the training script calls ---------------------------------------------------
 
     @classmethod
-    def start(cls, block: ResilienceBlock, *,
-              pipeline_parallel_size: Optional[int] = None) -> "DeepSpeedResilience":
-        """Connects to ``mover-launch``; a standby blocks here until it is promoted. Without
+    def start(cls, block: ResilienceBlock, *, pipeline_parallel_size: Optional[int] = None,
+              wait: bool = True) -> "DeepSpeedResilience":
+        """Connects to ``mover-launch``; a standby blocks here until it is promoted (unless
+        ``wait`` is false: then in :meth:`wait_if_standby`). Without
         ``pipeline_parallel_size`` the layout is taken from the engine (:meth:`adopt_engine`)."""
         resilience = cls.started = cls(block, pipeline_parallel_size)
-        if resilience.runtime.is_standby:
-            resilience._import_lazy_modules()
-            resilience.runtime.wait_for_promotion()
+        if wait:
+            if resilience.runtime.is_standby and block.settings.standby_shadow_iterations:
+                logger.warning("standby: \"standby_shadow_iterations\" is for unmodified "
+                               "scripts under the drop-in; a script that drives the runtime "
+                               "itself makes no shadow run")
+            resilience.wait_if_standby(warmed=False)
         return resilience
+
+    def wait_if_standby(self, *, warmed: bool) -> None:
+        """A standby reports ready and blocks until it is promoted; one that did not warm up
+        imports first what ``deepspeed.initialize`` imports on its first call."""
+        if self.runtime.is_standby:
+            if not warmed:
+                self._import_lazy_modules()
+            self.runtime.wait_for_promotion()
 
     @property
     def progress(self) -> ProgressReporter:

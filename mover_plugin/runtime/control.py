@@ -79,8 +79,16 @@ class ControlClient:
         return dist.PrefixStore(generation_prefix(generation), self._connect())
 
     def publish_layout(self, layout: ParallelLayout) -> None:
-        self.store.set(LAYOUT_KEY, json.dumps({"tp": layout.tp, "pp": layout.pp,
-                                               "dp": layout.dp}))
+        self.store.set(LAYOUT_KEY, json.dumps(layout.record()))
+
+    def wait_for_layout(self, timeout_s: float) -> Optional[ParallelLayout]:
+        """The parallel layout the job's first rank published, waiting at most ``timeout_s``
+        for it; None if it was not published by then."""
+        try:
+            self.store.wait([LAYOUT_KEY], timedelta(seconds=timeout_s))
+        except dist.DistStoreError:
+            return None
+        return ParallelLayout.of_record(json.loads(self.store.get(LAYOUT_KEY)))
 
     def publish_templates(self, spec: dict[str, Any]) -> None:
         """Tells the controller the job can shrink onto pipeline templates, and what the
