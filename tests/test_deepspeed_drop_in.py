@@ -118,8 +118,11 @@ def test_a_data_parallel_script_recovers_a_sigkill_inside_an_iteration_and_a_mig
     """ZeRO-2 with two accumulation steps: rank 3 migrates, then rank 0 is SIGKILLed as it
     begins step 6 (or a later one). The survivors are inside that iteration (ZeRO-2 reduces
     in every backward), redo its micro-batches from their records, and their scripts' calls
-    return as if nothing happened; the joiners catch up through the steps they missed."""
-    check_migration_and_sigkill(tmp_path, ZERO_2, data_parallel_reference)
+    return as if nothing happened; the joiners catch up through the steps they missed. The
+    script leaves torch.distributed to ``deepspeed.initialize`` here (no
+    ``deepspeed.init_distributed`` of its own): the runtime starts in the call that makes."""
+    check_migration_and_sigkill(tmp_path, ZERO_2, data_parallel_reference,
+                                script_flags=("--no-init-distributed",))
 
 
 @pytest.mark.parametrize("config, leaver, killed, shadow", [(ZERO_3, 3, 0, SHADOW),
@@ -138,12 +141,14 @@ def test_zero_3_recovers_a_sigkill_inside_an_iteration_and_a_migration(
     check_migration_and_sigkill(tmp_path, config, zero_3_reference, leaver, killed, shadow)
 
 
-def check_migration_and_sigkill(tmp_path, config, reference, leaver=3, killed=0, shadow=0):
+def check_migration_and_sigkill(tmp_path, config, reference, leaver=3, killed=0, shadow=0,
+                               script_flags=()):
     block = {"peer_copy": True, "standbys": 2, "standby_shadow_iterations": shadow}
     result, summary, events = resilient_job(tmp_path, block,
                                             "--inject-migration", f"{leaver}:3",
                                             "--inject-failure", f"{killed}:6",
-                                            script=DATA_PARALLEL, config=config)
+                                            script=DATA_PARALLEL, config=config,
+                                            script_flags=script_flags)
     if shadow:
         check_warmed_standbys(events, shadow_rank=3)  # the last of 4 replicas
     else:

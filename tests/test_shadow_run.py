@@ -1,13 +1,20 @@
 """A DeepSpeed standby's shadow run, pure logic: the rank it plays, DeepSpeed's process-wide
 state put back after it, and how its end is told apart (the run itself: the drop-in tests)."""
 
+import contextlib
 import enum
 import sys
 import types
 
 import pytest
 
-from mover_plugin.deepspeed.shadow_run import ModuleGlobals, ShadowRunOver, _outcome, shadow_rank
+from mover_plugin.deepspeed.shadow_run import (
+    ModuleGlobals,
+    ShadowRunOver,
+    _LineCounter,
+    _outcome,
+    shadow_rank,
+)
 from mover_plugin.layout import ParallelLayout
 
 
@@ -78,3 +85,11 @@ def test_a_script_catching_exceptions_does_not_catch_the_unwinding():
             raise ShadowRunOver()
         except Exception:  # noqa: BLE001 - what a script may do
             pytest.fail("caught as an Exception")
+
+
+def test_what_the_script_prints_is_counted_not_shown(capsys):
+    counter = _LineCounter()
+    with contextlib.redirect_stdout(counter):
+        print("step 1/8 | loss 4.2")
+        print("PARAMS_DIGEST 00", flush=True)
+    assert counter.lines == 2 and capsys.readouterr().out == ""

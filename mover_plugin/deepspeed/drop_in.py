@@ -179,7 +179,8 @@ class DropIn(DeepSpeedHooks):
             return init(*args, **kwargs)  # on the sandbox's group
         if self._shadow is not None:
             self._shadow.release()
-        self.resilience.wait_if_standby(warmed=self._shadow is not None)
+        self.resilience.wait_if_standby(warmed=self._shadow is not None
+                                        and self._shadow.engine_built)
         self._distributed = True
         self.resilience.runtime.switch_before_next_step = True
         self.resilience.initialize_distributed()
@@ -190,9 +191,12 @@ class DropIn(DeepSpeedHooks):
 
     def around_initialize(self, initialize: Callable[..., Any], *args: Any,
                           **kwargs: Any) -> Any:
-        if self.resilience is None:  # the script drives the runtime itself
-            return initialize(*args, **kwargs)
+        if self.resilience is None and DeepSpeedResilience.started is not None:
+            return initialize(*args, **kwargs)  # the script drives the runtime itself
+        # A script that made no deepspeed.init_distributed call of its own: the one initialize
+        # makes starts the runtime.
         result = initialize(*args, **kwargs)
+        assert self.resilience is not None
         if self.shadow_running:
             assert self._shadow is not None
             self._shadow.watch(result[0])

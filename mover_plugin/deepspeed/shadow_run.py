@@ -168,12 +168,14 @@ class ShadowRun:
         self.rank = rank
         self.world_size = world_size
         self.running = False
-        self.trained = 0
-        """Shadow iterations completed so far."""
+        self._trained: Callable[[], int] = lambda: 0
+        """Shadow iterations completed so far (the engine's, once it is built)."""
         self._globals: Optional[ModuleGlobals] = None
         self._rank_env: Optional[str] = None
-        self._output = io.StringIO()
-        self._quiet: Optional[contextlib.redirect_stdout[io.StringIO]] = None
+        self.engine_built = False
+        """Whether ``deepspeed.initialize`` returned in the shadow run."""
+        self._output = _LineCounter()
+        self._quiet: Optional[contextlib.redirect_stdout[_LineCounter]] = None
         self._local_checks: Optional[AppliedPatches] = None
         self._started = 0.0
         self._served = 0
@@ -199,11 +201,12 @@ class ShadowRun:
     def watch(self, engine: Any) -> None:
         """Counts the engine's iterations, ends the run at the start of the one after the
         last, and makes its ``save_checkpoint`` do nothing."""
+        self.engine_built = True
         started_at = engine.global_steps
+        self._trained = lambda: engine.global_steps - started_at
 
         def before_iteration() -> None:
-            self.trained = engine.global_steps - started_at
-            if self.trained >= self.iterations:
+            if self._trained() >= self.iterations:
                 raise ShadowRunOver()
 
         name = "train_batch" if is_pipeline_engine(engine) else "forward"
@@ -216,6 +219,7 @@ class ShadowRun:
         the report."""
         assert self._globals is not None and self._quiet is not None
         self.running = False
+        trained, self._trained = self._trained(), lambda: 0  # the engine is not kept
         self._quiet.__exit__(None, None, None)
         if self._local_checks is not None:
             self._local_checks.revert()
@@ -230,23 +234,38 @@ class ShadowRun:
         outcome = _outcome(end)
         report = {
             "shadow_rank": self.rank,
-            "shadow_iterations": self.trained,
+            "shadow_iterations": trained,
             "outcome": outcome,
             "warm_up_s": time.perf_counter() - self._started,
             "sandbox_operations": sum(operations_served().values()) - self._served,
             "state_restored": restored,
-            "output_lines": self._output.getvalue().count("\n"),
+            "output_lines": self._output.lines,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         }
         log = logger.info if isinstance(end, ShadowRunOver) or end is None else logger.warning
         log("standby: shadow run as rank %d %s after %d iterations in %.2f s",
-            self.rank, outcome, self.trained, report["warm_up_s"])
+            self.rank, outcome, trained, report["warm_up_s"])
         return report
 
     @staticmethod
     def release() -> None:
         """Collects what the shadow run built (once its traceback is dropped)."""
         gc.collect()
+
+
+class _LineCounter(io.TextIOBase):
+    """Standard output while the shadow run runs: counts the lines written, keeps nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        self.lines += text.count("\n")
+        return len(text)
 
 
 def _after(check: Callable[[], None], method: Callable[..., Any]) -> Callable[..., Any]:

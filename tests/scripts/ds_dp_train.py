@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """A DeepSpeed user's data-parallel training script: DeepSpeed's and PyTorch's API, nothing else.
 
-``deepspeed.init_distributed``, a small next-token model, ``deepspeed.initialize`` with the
+``deepspeed.init_distributed`` (unless ``--no-init-distributed``: then ``deepspeed.initialize``
+makes the call), a small next-token model, ``deepspeed.initialize`` with the
 config named by ``--deepspeed_config`` (any ZeRO stage), a ``DataLoader`` over this rank's share
 of a fixed dataset (``DistributedSampler``, no shuffling), and per step
 ``gradient_accumulation_steps`` times ``engine(tokens)``, the loss computed by the script from
@@ -36,6 +37,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--load", default=None)
     parser.add_argument("--save-interval", type=int, default=0)
     parser.add_argument("--local_rank", type=int, default=-1)
+    parser.add_argument("--no-init-distributed", action="store_true",
+                        help="leave torch.distributed to deepspeed.initialize")
     return deepspeed.add_config_arguments(parser).parse_args()
 
 
@@ -55,7 +58,8 @@ class NextTokenModel(nn.Module):
 
 def main() -> None:
     args = parse_args()
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    if not args.no_init_distributed:
+        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     torch.manual_seed(1234)
     model = NextTokenModel(args.layers)
     engine, _, _, _ = deepspeed.initialize(args=args, model=model,
