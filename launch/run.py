@@ -141,16 +141,21 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
 
 def _run_to_the_end(argv: list[str]) -> None:
-    """Runs the script; again after a DeepSpeed standby's shadow run of it ended."""
+    """Runs the script; again, from the same ``sys.path`` and working directory, after a
+    DeepSpeed standby's shadow run of it ended."""
+    path, cwd = list(sys.path), os.getcwd()
     while True:
         try:
             _run(list(argv))
         except BaseException as end:  # noqa: BLE001 - re-raised unless a shadow run ended
             if not _shadow_run_ended(end):
                 raise
-            continue
-        if not _shadow_run_ended(None):
-            return
+        else:
+            if not _shadow_run_ended(None):
+                return
+        sys.path[:] = path
+        os.chdir(cwd)
+        _after_shadow_run()  # its traceback is gone: what it built can be collected
 
 
 def _shadow_run_ended(end: Optional[BaseException]) -> bool:
@@ -161,6 +166,12 @@ def _shadow_run_ended(end: Optional[BaseException]) -> bool:
     from mover_plugin.deepspeed.drop_in import end_shadow_run
 
     return end_shadow_run(end)
+
+
+def _after_shadow_run() -> None:
+    from mover_plugin.deepspeed.drop_in import after_shadow_run
+
+    after_shadow_run()
 
 
 def _run(argv: list[str]) -> None:

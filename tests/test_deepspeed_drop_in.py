@@ -177,8 +177,8 @@ def check_migration_and_sigkill(tmp_path, config, reference, leaver=3, killed=0,
 
 def check_warmed_standbys(events, shadow_rank):
     """Every standby ran its script SHADOW iterations in the sandbox as ``shadow_rank``, was
-    unwound and put DeepSpeed's state back before it reported ready; every promoted standby
-    was one of them."""
+    unwound, put DeepSpeed's state back and freed its engine before it reported ready; every
+    promoted standby was one of them."""
     warmed = {e["standby"]: e for e in events
               if e["event"] == "standby_warmed" and "shadow_rank" in e}
     ready = {e["standby"]: e["time"] for e in events if e["event"] == "standby_ready"}
@@ -188,6 +188,7 @@ def check_warmed_standbys(events, shadow_rank):
         assert (report["outcome"], report["shadow_iterations"], report["shadow_rank"]) == \
             ("unwound", SHADOW, shadow_rank), report
         assert report["sandbox_operations"] > 0 and report["state_restored"] > 0
+        assert report["engine_freed"] is True
         assert report["time"] <= ready.get(standby, float("inf"))
 
 

@@ -1,7 +1,6 @@
 """A DeepSpeed standby's shadow run, pure logic: the rank it plays, DeepSpeed's process-wide
 state put back after it, and how its end is told apart (the run itself: the drop-in tests)."""
 
-import contextlib
 import enum
 import sys
 import types
@@ -11,7 +10,7 @@ import pytest
 from mover_plugin.deepspeed.shadow_run import (
     ModuleGlobals,
     ShadowRunOver,
-    _LineCounter,
+    _MutedStream,
     _outcome,
     shadow_rank,
 )
@@ -87,9 +86,13 @@ def test_a_script_catching_exceptions_does_not_catch_the_unwinding():
             pytest.fail("caught as an Exception")
 
 
-def test_what_the_script_prints_is_counted_not_shown(capsys):
-    counter = _LineCounter()
-    with contextlib.redirect_stdout(counter):
-        print("step 1/8 | loss 4.2")
-        print("PARAMS_DIGEST 00", flush=True)
-    assert counter.lines == 2 and capsys.readouterr().out == ""
+def test_what_the_script_prints_is_counted_not_shown_and_goes_through_after(capsys):
+    muted = _MutedStream(sys.stdout)
+    kept = muted  # a reference the script keeps (a logging handler's stream, say)
+    print("step 1/8 | loss 4.2", file=muted)
+    print("PARAMS_DIGEST 00", file=muted, flush=True)
+    assert muted.lines == 2 and capsys.readouterr().out == ""
+    muted.muted = False
+    print("after the shadow run", file=kept)
+    assert capsys.readouterr().out == "after the shadow run\n"
+    assert muted.encoding == sys.stdout.encoding

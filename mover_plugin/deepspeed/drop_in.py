@@ -102,6 +102,12 @@ def end_shadow_run(end: Optional[BaseException]) -> bool:
     return drop_in is not None and drop_in.end_shadow_run(end)
 
 
+def after_shadow_run() -> None:
+    """Called once the shadow run's frames are gone, before the script runs again."""
+    assert DropIn.installed is not None
+    DropIn.installed.after_shadow_run()
+
+
 def _resilience_block(script_args: list[str]) -> Optional[ResilienceBlock]:
     path = config_path_in(script_args)
     return None if path is None else load_ds_config(path)[1]
@@ -156,15 +162,21 @@ class DropIn(DeepSpeedHooks):
 
     def end_shadow_run(self, end: Optional[BaseException]) -> bool:
         """The script ended (``end``: how; None if it returned): if that was a shadow run,
-        puts DeepSpeed back as it was, posts the standby's warm-up and returns True (its
-        script then runs again); otherwise returns False."""
-        if not self.shadow_running or isinstance(end, KeyboardInterrupt):
+        puts DeepSpeed back as it was and returns True (the script then runs again, unless
+        ``end`` is a ``KeyboardInterrupt``); otherwise returns False."""
+        if not self.shadow_running:
             return False
+        assert self._shadow is not None
+        self._shadow.end(end)
+        return not isinstance(end, KeyboardInterrupt)
+
+    def after_shadow_run(self) -> None:
+        """Once the shadow run's frames are gone: what it built is collected, and the
+        controller hears of the warm-up."""
         assert self._shadow is not None and self.resilience is not None
-        report = self._shadow.end(end)
+        report = self._shadow.release()
         control = self.resilience.runtime.control
         control.post("standby_warmed", standby=control.standby_id, time=time.time(), **report)
-        return True
 
     # -- hook points ----------------------------------------------------------------------
 
@@ -177,8 +189,6 @@ class DropIn(DeepSpeedHooks):
             self.resilience = DeepSpeedResilience.start(self.block, wait=False)
         if self._shadow is None and self._begin_shadow_run():
             return init(*args, **kwargs)  # on the sandbox's group
-        if self._shadow is not None:
-            self._shadow.release()
         self.resilience.wait_if_standby(warmed=self._shadow is not None
                                         and self._shadow.engine_built)
         self._distributed = True

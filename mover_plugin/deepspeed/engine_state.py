@@ -263,6 +263,18 @@ def release_parameters(engine: Any) -> None:
     _forget_release_sets(coordinator)
 
 
+def discard_engine(engine: Any) -> None:
+    """An engine that is not used again, made collectable: DeepSpeed's own ``destroy`` takes
+    the ZeRO optimizer's gradient hooks off (they hold the engine in a reference cycle through
+    torch's autograd that the garbage collector does not see), and at stage 3 the release sets
+    the coordinator cached (keyed by the coordinator) are cleared."""
+    coordinator = (engine.optimizer.parameter_offload.get_param_coordinator()
+                   if partitions_parameters(engine) else None)
+    engine.destroy()
+    if coordinator is not None:
+        _forget_release_sets(coordinator)
+
+
 def _forget_release_sets(coordinator: Any) -> None:
     """The coordinator caches which parameters each module releases at each step of a trace
     (an ``lru_cache`` inside DeepSpeed's NVTX wrapper); a new trace must not meet the old

@@ -14,18 +14,22 @@ and that code cannot run again once the rank is known. So a DeepSpeed standby wi
    alone.
 2. Its script runs on in the sandbox world (:mod:`mover_plugin.comm.sandbox`: the job's world
    size, every collective answered locally, ZeRO-3's cross-rank trace checks passed locally),
-   as that rank (``RANK``): ``deepspeed.initialize``
-   builds the engine, the script loads its checkpoint if it reads one, and trains K
-   iterations. ``save_checkpoint`` does nothing, and what the script prints to standard output
-   is not shown.
+   as that rank (``RANK``): ``deepspeed.initialize`` builds the engine, the script loads its
+   checkpoint if it reads one, and trains K iterations from there. ``save_checkpoint`` does
+   nothing, and what the script prints to standard output is counted, not shown (DeepSpeed's
+   own log lines go to the stream its logger took at import, and are shown).
 3. At the start of iteration K + 1 (a ``train_batch``, or a data-parallel engine's
-   ``forward``), :class:`ShadowRunOver` unwinds the script. The sandbox's default group is
-   destroyed, and the module globals of DeepSpeed that hold its process-wide state
-   and the class attributes of the classes they define (:data:`STATE_MODULES`: its
-   communication backend, its groups, ZeRO-3's module stack and parameter counter, ...) are put
-   back as they were before.
-4. The standby reports ready and waits. Once promoted, its script runs again from the start,
-   for real (:mod:`mover_plugin.launch.run`).
+   ``forward``), :class:`ShadowRunOver` unwinds the script. The engine is destroyed
+   (:func:`~mover_plugin.deepspeed.engine_state.discard_engine`) so that it can be freed, the
+   sandbox's default group is destroyed, and DeepSpeed's process-wide state is put back as it
+   was before (:class:`ModuleGlobals` over :data:`STATE_MODULES`: the globals of its modules
+   that keep it, the class attributes of their classes, their functions' default-argument
+   counters). ``sys.path`` and the working directory are put back too
+   (:mod:`mover_plugin.launch.run`). Not put back: the modules the script imported (they are
+   not imported again), and handlers it registered (``atexit``, signals).
+4. The script runs again at once, up to ``deepspeed.init_distributed``, where the standby
+   reports its warm-up (whether the engine was freed, its peak RSS) and ready, and waits. Once
+   promoted, it goes on from there for real.
 
 What this warms: what does not depend on the rank, such as the code paths of
 ``deepspeed.initialize`` and of the first iterations, the accelerator's context and kernels,
@@ -34,29 +38,29 @@ the allocator, and the data files in the page cache. It does not save the engine
 The script's other side effects happen twice: files it writes itself (a log file per rank, the
 monitors its DeepSpeed config enables) are written by the shadow run too, as the played rank.
 That is why the shadow run is opt-in. A shadow run that fails (its script raised, say) is
-logged, put back the same way, and the standby waits as it would have without.
+logged and put back the same way, and the standby waits; what the failure left (memory, an
+accelerator's error) stays with it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import enum
 import gc
 import importlib
-import io
 import logging
 import os
 import resource
 import sys
 import time
 import types
+import weakref
 from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
 from mover_plugin.comm.sandbox import SANDBOX_BACKEND, operations_served, register_sandbox_backend
-from mover_plugin.deepspeed.engine_state import is_pipeline_engine
+from mover_plugin.deepspeed.engine_state import discard_engine, is_pipeline_engine
 from mover_plugin.layout import ParallelLayout
 from mover_plugin.patches import AppliedPatches, apply_patches
 
@@ -70,11 +74,13 @@ STATE_MODULES = (
     "deepspeed.runtime.zero.parameter_offload",
     "deepspeed.runtime.activation_checkpointing.checkpointing",
     "deepspeed.runtime.torch_autocast",
+    "deepspeed.runtime.tensor_parallel.init_utils",
+    "deepspeed.runtime.sequence_parallel.parallel_state_sp",
 )
 """DeepSpeed's modules (0.19.8) whose globals an engine's set-up and training change: the
 communication backend (``cdb``), the cached groups and ``mpu``, pipeline point-to-point's groups,
 ZeRO-3's init context and forward module stack, activation checkpointing's settings, autocast's
-settings."""
+settings, tensor-parallel model init's arguments, sequence parallelism's groups."""
 
 
 _LOCAL_TRACE_CHECKS = "deepspeed-local-trace-checks"
@@ -168,17 +174,24 @@ class ShadowRun:
         self.rank = rank
         self.world_size = world_size
         self.running = False
+        self.report: dict[str, Any] = {}
+        """What the run did (once it ended)."""
+        self._engine: Optional[weakref.ref[Any]] = None
+        """The engine ``deepspeed.initialize`` built in it, not kept alive."""
         self._trained: Callable[[], int] = lambda: 0
-        """Shadow iterations completed so far (the engine's, once it is built)."""
+        """Shadow iterations completed so far (the engine's, once it trains)."""
         self._globals: Optional[ModuleGlobals] = None
         self._rank_env: Optional[str] = None
-        self.engine_built = False
-        """Whether ``deepspeed.initialize`` returned in the shadow run."""
-        self._output = _LineCounter()
-        self._quiet: Optional[contextlib.redirect_stdout[_LineCounter]] = None
+        self._stdout: Any = None
+        self._muted: Optional[_MutedStream] = None
         self._local_checks: Optional[AppliedPatches] = None
         self._started = 0.0
         self._served = 0
+
+    @property
+    def engine_built(self) -> bool:
+        """Whether ``deepspeed.initialize`` returned in the shadow run."""
+        return self._engine is not None
 
     def begin(self) -> None:
         """The sandbox's default group as :attr:`rank`, before the script's
@@ -192,20 +205,23 @@ class ShadowRun:
         dist.init_process_group(SANDBOX_BACKEND, store=dist.HashStore(), rank=self.rank,
                                 world_size=self.world_size)
         self._local_checks = apply_patches(_LOCAL_TRACE_CHECKS)
-        self._quiet = contextlib.redirect_stdout(self._output)
-        self._quiet.__enter__()
+        self._stdout = sys.stdout
+        self._muted = sys.stdout = _MutedStream(self._stdout)
         self.running = True
         logger.info("standby: shadow run of %d iterations as rank %d of %d in the sandbox",
                     self.iterations, self.rank, self.world_size)
 
     def watch(self, engine: Any) -> None:
-        """Counts the engine's iterations, ends the run at the start of the one after the
-        last, and makes its ``save_checkpoint`` do nothing."""
-        self.engine_built = True
-        started_at = engine.global_steps
-        self._trained = lambda: engine.global_steps - started_at
+        """Counts the engine's iterations from its first (after a checkpoint the script
+        loads), ends the run at the start of the one after the last, and makes its
+        ``save_checkpoint`` do nothing."""
+        self._engine = weakref.ref(engine)
+        first: list[int] = []
 
         def before_iteration() -> None:
+            if not first:
+                first.append(engine.global_steps)
+                self._trained = lambda: engine.global_steps - first[0]
             if self._trained() >= self.iterations:
                 raise ShadowRunOver()
 
@@ -213,17 +229,20 @@ class ShadowRun:
         setattr(engine, name, _after(before_iteration, getattr(engine, name)))
         engine.save_checkpoint = lambda *args, **kwargs: True
 
-    def end(self, end: Optional[BaseException]) -> dict[str, Any]:
+    def end(self, end: Optional[BaseException]) -> None:
         """The script unwound (``end``: :class:`ShadowRunOver`, or what else ended it; None if
-        it returned): the sandbox's group destroyed and DeepSpeed's globals put back; returns
-        the report."""
-        assert self._globals is not None and self._quiet is not None
+        it returned): standard output back, the engine discarded, the sandbox's group
+        destroyed and DeepSpeed's state put back; :attr:`report` says what the run did."""
+        assert self._globals is not None and self._muted is not None
         self.running = False
+        self._muted.muted = False
+        if sys.stdout is self._muted:
+            sys.stdout = self._stdout
         trained, self._trained = self._trained(), lambda: 0  # the engine is not kept
-        self._quiet.__exit__(None, None, None)
         if self._local_checks is not None:
             self._local_checks.revert()
             self._local_checks = None
+        self._discard_engine()
         if dist.is_initialized():
             dist.destroy_process_group()
         restored = self._globals.restore()
@@ -232,40 +251,60 @@ class ShadowRun:
         else:
             os.environ["RANK"] = self._rank_env
         outcome = _outcome(end)
-        report = {
+        self.report = {
             "shadow_rank": self.rank,
             "shadow_iterations": trained,
             "outcome": outcome,
             "warm_up_s": time.perf_counter() - self._started,
             "sandbox_operations": sum(operations_served().values()) - self._served,
             "state_restored": restored,
-            "output_lines": self._output.lines,
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "output_lines": self._muted.lines,
         }
         log = logger.info if isinstance(end, ShadowRunOver) or end is None else logger.warning
         log("standby: shadow run as rank %d %s after %d iterations in %.2f s",
-            self.rank, outcome, trained, report["warm_up_s"])
-        return report
+            self.rank, outcome, trained, self.report["warm_up_s"])
 
-    @staticmethod
-    def release() -> None:
-        """Collects what the shadow run built (once its traceback is dropped)."""
+    def _discard_engine(self) -> None:
+        engine = self._engine() if self._engine is not None else None
+        if engine is None:
+            return
+        try:
+            discard_engine(engine)
+        except Exception:  # noqa: BLE001 - the standby is still worth keeping
+            logger.exception("standby: the shadow run's engine could not be destroyed; its "
+                             "memory may stay in use")
+
+    def release(self) -> dict[str, Any]:
+        """Once the script's frames are gone (its traceback dropped): collects what the shadow
+        run built; returns :attr:`report` with whether its engine was freed and the peak RSS."""
         gc.collect()
+        engine = self._engine() if self._engine is not None else None
+        return {**self.report, "engine_freed": None if self._engine is None else engine is None,
+                "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
-class _LineCounter(io.TextIOBase):
-    """Standard output while the shadow run runs: counts the lines written, keeps nothing."""
+class _MutedStream:
+    """Standard output while the shadow run runs: what is written is counted and dropped.
+    After it, everything goes to the stream it stood in for, so that a reference the script
+    kept (a logging handler, say) writes there again; other attributes are the stream's."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+        self.muted = True
         self.lines = 0
 
-    def writable(self) -> bool:
-        return True
-
     def write(self, text: str) -> int:
+        if not self.muted:
+            return self._stream.write(text)
         self.lines += text.count("\n")
         return len(text)
+
+    def flush(self) -> None:
+        if not self.muted:
+            self._stream.flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
 
 
 def _after(check: Callable[[], None], method: Callable[..., Any]) -> Callable[..., Any]:
