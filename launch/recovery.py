@@ -63,6 +63,8 @@ class CrashRecovery(Unit):
         self._coordinators: list[Coordinator] = []
         self._own_errors: dict[tuple[int, int], str] = {}
         """(attempt, rank) -> the error a worker reported as its own before it exited."""
+        self._finished: set[tuple[int, int]] = set()
+        """(attempt, rank) of each worker that exited 0: its script ended."""
         self._slots_freed: list[Callable[[list[int]], None]] = []
 
     def when_slots_freed(self, listener: Callable[[list[int]], None]) -> None:
@@ -129,6 +131,11 @@ class CrashRecovery(Unit):
         if self._ctx.attempt.shrunk is not None:  # before any standby is taken from the pool
             return Fallback("a rank was lost while the job trains on pipeline templates or "
                             "grows back from them")
+        finished = sorted(rank for attempt, rank in self._finished
+                          if attempt == self._ctx.attempt.number)
+        if finished:  # a new generation's groups would wait for them forever
+            return Fallback(f"rank(s) {finished} already finished the script, and a new "
+                            "generation needs every rank")
         unfinished = self._unfinished_joiners()
         plan = plan_recovery(lost, self._ctx.layout(), self._ctx.attempt.pool,
                              self._ctx.job.node_of_rank,
@@ -238,6 +245,7 @@ class CrashRecovery(Unit):
     def _on_worker_exit(self, event: Event) -> Optional[int]:
         ctx = self._ctx
         if event["returncode"] == 0:
+            self._finished.add((event["attempt"], event["rank"]))
             for coordinator in self._coordinators:
                 coordinator.rank_finished(event["rank"])
             return None

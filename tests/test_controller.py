@@ -374,6 +374,22 @@ def test_a_crash_without_a_standby_falls_back_to_a_restart(tmp_path):
     assert len(job.log("worker_ready")) == 4
 
 
+def test_a_loss_after_a_rank_finished_the_script_restarts_rather_than_promote(job):
+    """Ranks that ended their script take part in no new generation: the standbys' groups
+    would wait for them forever. The job takes the restart path, with the reason."""
+    job.provision()
+    job.commands()
+    for rank in (1, 2):
+        job.exit(rank, returncode=0, how="exit code 0", step=11)
+    job.exit(3)
+    job.poll()
+    (fallback,) = job.log("fallback")
+    assert fallback["rank"] == 3 and fallback["reason"] == (
+        "rank(s) [1, 2] already finished the script, and a new generation needs every rank")
+    assert job.log("promote") == []
+    assert job.commands() == [{"op": "stop", "attempt": 0}]
+
+
 def shrinkable(job: "Job") -> None:
     """The job trains TP1 x PP2 x DP2 and its rank 0 said it can shrink onto templates."""
     job.provision()
