@@ -3,7 +3,8 @@
 and after growing back, and the downtime of each change against a restart of the same job.
 
 The example's Megatron-Core GPT (TP1 x PP2 x DP2 on 4 CPU processes, 8 layers of width 64, no
-dropout) runs under ``mover-launch --policy resilient --standbys 0 --refill-delay-s 0`` with
+dropout), or with ``--megatron-lm`` the same model on Megatron-LM's own loop
+(examples/megatron_lm/pretrain_gpt.py, Megatron-LM's flags and checkpoints), runs under ``mover-launch --policy resilient --standbys 0 --refill-delay-s 0`` with
 ``--resilient``. Before its first step each pipeline stage measures its layers (the per-layer
 profile, mover_plugin.megatron.layer_profile), which the planner plans from. Its agent
 SIGKILLs rank 3 at step ``--kill-at``; with no standby ready the survivors shrink onto the
@@ -28,6 +29,7 @@ gets more of each: the throughput ratios then say little about hosts of their ow
 note). Usage::
 
     python bench/templates_shrink.py --steps 500 --out runs/bench-templates
+    python bench/templates_shrink.py --megatron-lm --steps 500 --out runs/bench-templates-lm
 """
 
 from __future__ import annotations
@@ -35,11 +37,12 @@ from __future__ import annotations
 import os
 import re
 import statistics
+from dataclasses import dataclass
 from pathlib import Path
 
 from common import add_out_argument, benchmark_parser, job_folder, new_out_folder
-from jobs import (GPT_EXAMPLE, checkpoint_flags, gpt_model_flags, mover_launch_command,
-                  read_events, read_summary, run_job, summary_with_digest)
+from jobs import (EXAMPLES, GPT_EXAMPLE, checkpoint_flags, gpt_model_flags,
+                  mover_launch_command, read_events, read_summary, run_job, summary_with_digest)
 
 from mover_plugin.megatron.template_run import JOB_PIPELINES
 from mover_plugin.shrink import TemplateSpec
@@ -49,8 +52,36 @@ NO_DROPOUT = ("--hidden-dropout", "0", "--attention-dropout", "0")
 STEP_LINE = re.compile(r"^step\s+(\d+)/\d+ \|.*\| step time (\S+) ms", re.MULTILINE)
 
 
-def model_flags(steps: int) -> list[str]:
-    return [*gpt_model_flags(pipeline=2, layers=LAYERS, train_iters=steps), *NO_DROPOUT]
+LM_STEP_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): "
+                          r"(\S+) \|")
+LM_FLAGS = ["--transformer-impl", "local", "--distributed-backend", "gloo",
+            "--no-bias-gelu-fusion", "--no-bias-dropout-fusion",
+            "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
+            "--no-persist-layer-norm", "--num-workers", "0", "--max-position-embeddings", "64",
+            "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine",
+            "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--mock-data",
+            "--split", "100,0,0", "--eval-iters", "0", "--eval-interval", "100000",
+            "--log-interval", "1", "--seed", "1234", "--ckpt-format", "torch"]
+"""Megatron-LM's flags besides the model's: a CPU run's, its mock data, a step line per
+iteration, checkpoints in its ``torch`` format."""
+
+
+@dataclass(frozen=True)
+class Job:
+    """The job the benchmark runs: its script, flags, step times and restart."""
+
+    script: str
+    step_line: re.Pattern
+    """An iteration's number and time (ms) in the job's output."""
+    extra_flags: tuple[str, ...] = ()
+
+    def flags(self, steps: int) -> list[str]:
+        return [*gpt_model_flags(pipeline=2, layers=LAYERS, train_iters=steps), *NO_DROPOUT,
+                *self.extra_flags]
+
+
+EXAMPLE_JOB = Job(GPT_EXAMPLE, STEP_LINE)
+LM_JOB = Job(str(EXAMPLES / "megatron_lm" / "pretrain_gpt.py"), LM_STEP_LINE, tuple(LM_FLAGS))
 
 
 def predicted_ratio(profile, slots: int) -> float:
@@ -68,22 +99,22 @@ def predicted_ratio(profile, slots: int) -> float:
     return shrunk.throughput / (slots / job.iteration_s(per_pipeline))
 
 
-def resilient_job(out: Path, name: str, steps: int, *options: str
+def resilient_job(job: Job, out: Path, name: str, steps: int, *options: str
                   ) -> tuple[dict, list[dict], dict[int, float]]:
     """A resilient run of the job with ``--standbys 0``: its summary, event log and each
     step's time (ms)."""
     folder = job_folder(out, name)
     options = ("--policy", "resilient", "--standbys", "0", *options)
-    result = run_job([*mover_launch_command(folder, 4, *options), GPT_EXAMPLE,
-                      *model_flags(steps), "--resilient"], f"the {name} run failed")
-    times = {int(step): float(ms) for step, ms in STEP_LINE.findall(result.stdout)}
+    result = run_job([*mover_launch_command(folder, 4, *options), job.script,
+                      *job.flags(steps), "--resilient"], f"the {name} run failed")
+    times = {int(step): float(ms) for step, ms in job.step_line.findall(result.stdout)}
     return read_summary(folder), read_events(folder), times
 
 
-def restart_downtime(out: Path, steps: int, kill_at: int) -> float:
+def restart_downtime(job: Job, out: Path, steps: int, kill_at: int) -> float:
     folder = job_folder(out, "restart")
     options = ["--inject-failure", f"3:{kill_at}"]
-    script = [GPT_EXAMPLE, *model_flags(steps), *checkpoint_flags(folder)]
+    script = [job.script, *job.flags(steps), *checkpoint_flags(folder)]
     result = run_job([*mover_launch_command(folder, 4, *options, event_log=False), *script],
                      "the restart run failed")
     summary = summary_with_digest(folder, result)
@@ -97,12 +128,17 @@ def main() -> None:
                         "10 s to be ready)")
     parser.add_argument("--kill-at", type=int, default=30,
                         help="the step at which rank 3 is killed (default 30)")
+    parser.add_argument("--megatron-lm", action="store_true",
+                        help="the job on Megatron-LM's own loop "
+                        "(examples/megatron_lm/pretrain_gpt.py) instead of the example's")
     add_out_argument(parser, "bench-templates")
     args = parser.parse_args()
     out = new_out_folder(args.out)
+    job = LM_JOB if args.megatron_lm else EXAMPLE_JOB
 
-    _, _, baseline = resilient_job(out, "failure-free", args.steps)
-    summary, events, times = resilient_job(out, "templates", args.steps, "--refill-delay-s", "0",
+    _, _, baseline = resilient_job(job, out, "failure-free", args.steps)
+    summary, events, times = resilient_job(job, out, "templates", args.steps,
+                                           "--refill-delay-s", "0",
                                            "--inject-failure", f"3:{args.kill_at}")
     shrink, *rest = summary["interruptions"]
     if shrink["recovery"] != "shrink" or not rest or rest[0]["recovery"] != "grow":
@@ -136,7 +172,7 @@ def main() -> None:
                  and e["generation"] == item["generation"]) for item in (shrink, grow)]
     print(f"shrink: downtime {shrink['downtime_s']:.3f} s ({moved[0] / 1e6:.2f} MB moved); "
           f"grow back: downtime {grow['downtime_s']:.3f} s ({moved[1] / 1e6:.2f} MB moved)")
-    restart = restart_downtime(out, 2 * args.kill_at, args.kill_at)
+    restart = restart_downtime(job, out, 2 * args.kill_at, args.kill_at)
     print(f"restart of the same job after a SIGKILL: downtime {restart:.3f} s; the shrink's "
           f"downtime is x{restart / shrink['downtime_s']:.1f} shorter")
 

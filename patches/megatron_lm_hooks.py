@@ -32,6 +32,10 @@ Hook points (each checked on megatron-core 0.19.2 with ``pretrain_gpt.py`` at co
 - ``train_step`` and ``training_log`` in ``megatron.training.training`` (called by ``train``
   for every iteration): :meth:`MegatronLMHooks.around_train_step` and
   :meth:`MegatronLMHooks.around_training_log`.
+- ``build_train_valid_test_datasets`` (called by the data iterators' set-up),
+  ``save_checkpoint_and_time`` and ``evaluate_and_print_results`` (called by ``train`` and
+  ``pretrain``) in ``megatron.training.training``: :meth:`MegatronLMHooks.around_datasets`,
+  :meth:`MegatronLMHooks.around_save` and :meth:`MegatronLMHooks.around_evaluation`.
 
 Use::
 
@@ -115,6 +119,21 @@ class MegatronLMHooks:
         after every iteration; returns its ``report_memory_flag``."""
         return training_log(*args, **kwargs)
 
+    def around_datasets(self, build: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Runs ``build_train_valid_test_datasets(provider, ...)``; returns the training,
+        validation and test datasets (None where this rank builds none)."""
+        return build(*args, **kwargs)
+
+    def around_save(self, save: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Runs ``save_checkpoint_and_time(iteration, model, optimizer, ...)``: every
+        checkpoint ``train()`` and ``pretrain`` write."""
+        return save(*args, **kwargs)
+
+    def around_evaluation(self, evaluate: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Runs ``evaluate_and_print_results(prefix, forward_step_func, data_iterator, model,
+        ...)``: every evaluation ``train()`` and ``pretrain`` run."""
+        return evaluate(*args, **kwargs)
+
 
 _HOOKS: HookPoints[MegatronLMHooks] = HookPoints(GROUP, "Megatron-LM hooks")
 
@@ -189,11 +208,15 @@ def _swap_load(swap: AttributeSwap) -> None:
     _wrap(swap, "megatron.training.training", "load_checkpoint", "around_load")
 
 
-@_hook_point("lm-train", "Megatron-LM's model set-up, data iterators, train(), train_step() "
-             "and training_log() run inside the installed hooks")
+@_hook_point("lm-train", "Megatron-LM's model set-up, data iterators, train(), train_step(), "
+             "training_log(), datasets, checkpoints and evaluations run inside the installed "
+             "hooks")
 def _swap_train(swap: AttributeSwap) -> None:
     for name, hook in (("setup_model_and_optimizer", "around_setup"),
                        ("build_train_valid_test_data_iterators", "around_data_iterators"),
                        ("train", "around_train"), ("train_step", "around_train_step"),
-                       ("training_log", "around_training_log")):
+                       ("training_log", "around_training_log"),
+                       ("build_train_valid_test_datasets", "around_datasets"),
+                       ("save_checkpoint_and_time", "around_save"),
+                       ("evaluate_and_print_results", "around_evaluation")):
         _wrap(swap, "megatron.training.training", name, hook)

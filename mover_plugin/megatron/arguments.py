@@ -253,16 +253,22 @@ def _check_resilience(args: argparse.Namespace) -> None:
 
 
 def _check_templates(args: argparse.Namespace) -> None:
+    """``args.template_profile``: the checked record of ``--resilient-template-profile`` for
+    the planner, or None (:func:`checked_template_profile`)."""
+    args.template_profile = None
+    if args.resilient:
+        args.template_profile = checked_template_profile(args, args.resilience.fault_tolerance)
+
+
+def checked_template_profile(args: argparse.Namespace, tolerance: int) -> Optional[dict]:
     """``--resilient-fault-tolerance F`` asks for F + 1 pipelines when a ``--resilient`` job of
     tensor-parallel size 1 shrinks onto pipeline templates: at least one rank (a host of the
-    planner) each, and a micro-batch each. With
-    ``--resilient-template-profile``, the profile must describe this model, fit some host
-    count, and leave a plan after losing up to F hosts (``args.template_profile`` is then its
-    record for the planner)."""
-    args.template_profile = None
-    if not args.resilient or args.tensor_model_parallel_size != 1:
-        return  # such a job never shrinks onto templates
-    tolerance = args.resilience.fault_tolerance
+    planner) each, and a micro-batch each. With ``--resilient-template-profile``, the profile
+    must describe this model, fit some host count, and leave a plan after losing up to F hosts;
+    its record for the planner is returned (None without one, or when the job never shrinks).
+    Raises :class:`ConfigError` naming the bad value. Megatron-LM's ``args`` work too."""
+    if args.tensor_model_parallel_size != 1:
+        return None  # such a job never shrinks onto templates
     stages = args.world_size  # one rank per pipeline stage (tensor-parallel size 1)
     microbatches = args.global_batch_size // args.micro_batch_size
     if stages > 1 and tolerance + 1 > min(stages, microbatches):
@@ -273,7 +279,7 @@ def _check_templates(args: argparse.Namespace) -> None:
             f"{min(stages, microbatches) - 1}")
     path = getattr(args, "resilient_template_profile", None)
     if path is None:
-        return
+        return None
     profile = load_profile(Path(path))
     expected = args.num_layers + 2
     if len(profile.layers) != expected:
@@ -286,7 +292,7 @@ def _check_templates(args: argparse.Namespace) -> None:
                               stages, microbatches, tolerance)
     except PlanningError as error:
         raise ConfigError(f"--resilient-template-profile {path}: {error}") from None
-    args.template_profile = profile_record(profile)
+    return profile_record(profile)
 
 
 def _positive(args: argparse.Namespace, *names: str) -> None:

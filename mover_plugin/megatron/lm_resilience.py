@@ -34,6 +34,13 @@ A standby warms up before it waits, with Megatron-LM's own model set-up and ``tr
 the sandbox (:mod:`mover_plugin.megatron.lm_standby`), and adopts the objects of the lost
 rank's role where they fit, as a Megatron-Core script's standby does.
 
+With no standby ready the job shrinks onto pipeline templates (once a rank's data iterators
+exist it can: :meth:`MegatronLMResilience.after_data_iterators`), with what the script gave
+``pretrain`` (:mod:`mover_plugin.megatron.lm_templates`); each ``train_step`` then trains the
+rank's stage and returns what Megatron-LM's would. When it grows back, a survivor's training
+data iterator starts again where the job is, and the joining standbys get Megatron-LM's
+counters with the schedule.
+
 Not yet on this path: virtual pipeline stages, ``--overlap-param-gather``, and DataLoader
 worker processes' effect on detection (``--num-workers 0`` keeps it fast).
 """
@@ -60,12 +67,20 @@ from mover_plugin.megatron.lm_standby import (
     megatron_state_kept,
     without_checkpoint,
 )
+from mover_plugin.megatron.arguments import checked_template_profile
+from mover_plugin.megatron.lm_templates import (
+    StageView,
+    lm_stage_recipe,
+    lm_template_refusals,
+)
 from mover_plugin.megatron.resilience import MegatronResilience
+from mover_plugin.megatron.shrunk_training import template_spec
 from mover_plugin.megatron.standby import parallel_layout
 from mover_plugin.runtime.adapter import Transfer
 from mover_plugin.runtime.handover import module_state_tensors
 from mover_plugin.runtime.replay import ReplayableIterator
 from mover_plugin.runtime.settings import ResilienceSettings
+from mover_plugin.shrink import TemplateSpec
 
 logger = logging.getLogger(__name__)
 
@@ -162,6 +177,10 @@ class MegatronLMResilience(MegatronResilience):
         self.joined_in_place = False
         """A joiner that took its rank in the running loop (not after a rollback, where every
         rank enters ``train()`` anew)."""
+        self._train_dataset: Any = None
+        """Megatron-LM's training dataset on this rank (None where it builds none)."""
+        self._data_iterator: Any = None
+        """The training data iterator of the current ``train_step``."""
         # Megatron-LM logs (with collectives) between two train_steps: the leaver of a
         # migration logs the iteration it completed, the joiner starts at the next one.
         self.runtime.switch_before_next_step = True
@@ -236,6 +255,40 @@ class MegatronLMResilience(MegatronResilience):
         self._rolled_back = False
         self._local = _local_collectives()
 
+    def after_data_iterators(self, train_dataset: Any) -> None:
+        """This rank's data iterators exist (``train_dataset``: the training dataset they
+        read): the job may shrink onto pipeline templates when a rank is lost and no standby
+        is ready (:mod:`mover_plugin.megatron.lm_templates`); its first rank tells the
+        controller so."""
+        self._train_dataset = train_dataset
+        if self._recipe is not None:
+            return  # built again after a rollback: the same dataset
+        call = self._pretrain
+        refused = lm_template_refusals(self.args, call)
+        if train_dataset is None:
+            refused.append("this rank holds no training dataset")
+        if refused:
+            if self.runtime.rank == 0 and not self.is_joiner:
+                logger.info("no pipeline templates for this job (%s): a rank lost with no "
+                            "standby ready restarts the job", ", ".join(refused))
+            return
+        assert call is not None
+        self.enable_templates(lm_stage_recipe(self.args, call, train_dataset))
+        self._publish_template_spec()
+
+    def _template_spec(self, quiet: bool) -> Optional[TemplateSpec]:
+        settings = self.runtime.settings
+        return template_spec(self.args, settings, self._sharded, quiet=quiet,
+                             profile=checked_template_profile(self.args,
+                                                              settings.fault_tolerance))
+
+    @property
+    def stage_groups(self) -> Any:
+        """On pipeline templates: this rank's stage's process groups (Megatron-Core's
+        ``ProcessGroupCollection``)."""
+        assert self._shrunk is not None
+        return self._shrunk.trainer.pg_collection
+
     def entering_train(self, checkpointing_context: Any) -> None:
         """Megatron-LM's ``train()`` is entered (with its ``checkpointing_context``, whose
         cached groups are rewritten after a switch like the model's): after a rollback every
@@ -261,6 +314,7 @@ class MegatronLMResilience(MegatronResilience):
         if not self._training:
             self._start_training(iteration)
         self.before_step()
+        self._data_iterator = data_iterator
         self._replay.begin(data_iterator)
         self._step = self._step_start(iteration)
         progress = self.progress
@@ -314,6 +368,69 @@ class MegatronLMResilience(MegatronResilience):
         return StepStart(iteration, {name: getattr(self.args, name) for name in COUNTERS},
                          get_rerun_state_machine().current_iteration,
                          frozenset(_started_timers(get_timers())))
+
+    # -- pipeline templates ---------------------------------------------------------------
+
+    def _step_on_templates(self, iteration: int, repeat: Any = None) -> tuple[Any, ...]:
+        """An iteration on the templates, as Megatron-LM's ``train_step`` runs and returns it:
+        its forward and backward passes inside Megatron-Core's rerun state machine (which the
+        script's loss function reports to, and which may run them again); then the loss over
+        the global batch (on every rank, so that whichever rank logs prints it), the gradient
+        norm, and the machine's checkpoint and exit requests."""
+        from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+        machine = get_rerun_state_machine()
+        requests = (False, False, 0)
+
+        def as_megatron_lm_runs(forward_backward: Callable[[], list]) -> list:
+            nonlocal requests
+            losses: list = []
+            # The templates read their micro-batches by slot, not from the data iterator.
+            while machine.should_run_forward_backward(None):
+                losses = forward_backward()
+            requests = machine.should_checkpoint_and_exit()
+            return losses
+
+        loss, grad_norm = super()._step_on_templates(iteration, as_megatron_lm_runs)
+        should_checkpoint, should_exit, exit_code = requests
+        return ({"lm loss": torch.tensor(loss, dtype=torch.float32)}, 0, should_checkpoint,
+                should_exit, exit_code, grad_norm, None, 0)
+
+    def leave_templates(self) -> None:
+        super().leave_templates()
+        StageView.leave(self.args)
+
+    def continue_after_growth(self, plan: dict[str, Any]) -> int:
+        """Back on the job's layout; a survivor's training data iterator starts again where
+        the job is (it read nothing while on the templates)."""
+        received = super().continue_after_growth(plan)
+        self._restart_training_data()
+        return received
+
+    def _restart_training_data(self) -> None:
+        from megatron.training.training import build_pretraining_data_loader
+
+        iterator = self._data_iterator
+        if iterator is None or self._train_dataset is None:
+            return
+        loader = build_pretraining_data_loader(self._train_dataset,
+                                               self.args.consumed_train_samples)
+        iterator.iterable = iter(loader)
+        self._replay.begin(iterator)
+
+    def growth_state(self) -> dict[str, Any]:
+        args = self.args
+        return {"counters": {name: getattr(args, name) for name in COUNTERS},
+                "data_flags": {name: bool(getattr(args, name, False)) for name in DATA_FLAGS}}
+
+    def load_growth_state(self, state: dict[str, Any], iteration: int) -> None:
+        args = self.args
+        args.iteration = iteration
+        for name, value in {**state["counters"], **state["data_flags"]}.items():
+            setattr(args, name, value)
+
+    def _job_module(self) -> torch.nn.Module:
+        return self._model[0].module
 
     # -- the adapter protocol, where Megatron-LM's loop differs -------------------------
 

@@ -98,6 +98,7 @@ from mover_plugin.runtime.handover import module_state_tensors
 from mover_plugin.runtime.peer_copy import PeerCopy, decide_continuation
 from mover_plugin.runtime.resilience import ResilienceRuntime
 from mover_plugin.runtime.settings import ResilienceSettings
+from mover_plugin.shrink import TemplateSpec
 
 logger = logging.getLogger(__name__)
 
@@ -232,8 +233,7 @@ class MegatronResilience:
         runtime = self.runtime
         if self._recipe is None or runtime.joiner_of is not None:
             return
-        spec = template_spec(self.args, runtime.settings, self._sharded,
-                             quiet=runtime.rank != 0)
+        spec = self._template_spec(quiet=runtime.rank != 0)
         if spec is None:
             return
         if runtime.rank == 0:
@@ -242,6 +242,10 @@ class MegatronResilience:
             measured = measure_own_stage(self.args, self._model, self._recipe, runtime.rank)
             if measured is not None:
                 runtime.control.publish_stage_profile(*measured)
+
+    def _template_spec(self, quiet: bool) -> Optional[TemplateSpec]:
+        """What the planner needs of this job, or None when it cannot train on templates."""
+        return template_spec(self.args, self.runtime.settings, self._sharded, quiet=quiet)
 
     def enable_templates(self, recipe: StageRecipe) -> None:
         """Lets the job shrink onto pipeline templates when a rank is lost and no standby is
@@ -300,11 +304,14 @@ class MegatronResilience:
         self.runtime.train_with(self._step_on_templates)
         return Continuation(target, received_bytes=self._shrunk.received_bytes)
 
-    def _step_on_templates(self, iteration: int) -> tuple[float, float]:
+    def _step_on_templates(self, iteration: int,
+                           repeat: Optional[Callable[[Callable[[], list]], list]] = None
+                           ) -> tuple[float, float]:
         """An iteration after the shrink; the script's optimizer shows the schedule's
-        learning rate, as the script logs it from there."""
+        learning rate, as the script logs it from there. ``repeat``: see
+        :meth:`~mover_plugin.megatron.template_training.StageTrainer.train_step`."""
         assert self._shrunk is not None
-        result = self._shrunk.step(iteration, vote=self.runtime.switch_requested)
+        result = self._shrunk.step(iteration, vote=self.runtime.switch_requested, repeat=repeat)
         self.runtime.grow_agreed = self._shrunk.grow_agreed
         self.runtime.ledger.count_running_iteration()
         for group in self._optimizer.param_groups:
@@ -323,25 +330,40 @@ class MegatronResilience:
             raise LaunchError(f"rank {self.runtime.rank} completed {self.runtime.ledger.applied} "
                               f"iterations but the job grows back at {target}")
         trainer = self._shrunk.trainer
-        schedule, received = move_back(plan, self.runtime.rank, trainer.state, self._job_state(),
-                                       trainer.scheduler.state_dict())
-        load_schedule(self._scheduler, schedule)
+        carried, received = move_back(
+            plan, self.runtime.rank, trainer.state, self._job_state(),
+            {**self.growth_state(), "schedule": trainer.scheduler.state_dict()})
+        load_schedule(self._scheduler, carried["schedule"])
         self._shrunk = None
         return received
 
     def join_after_growth(self, plan: dict[str, Any]) -> Continuation:
         target = self._agree_on_iteration(contribute=False)
-        schedule, received = move_back(plan, self.runtime.rank, None, self._job_state(), None)
-        load_schedule(self._scheduler, schedule)
+        carried, received = move_back(plan, self.runtime.rank, None, self._job_state(), None)
+        load_schedule(self._scheduler, carried["schedule"])
         forget_agreed_flags(self._optimizer)
         self.runtime.ledger.applied = target
+        self.load_growth_state(carried, target)
         return Continuation(target, received_bytes=received)
+
+    def growth_state(self) -> dict[str, Any]:
+        """What a survivor growing the job back carries to the standbys that join, besides the
+        learning-rate schedule (the training loop's own counters)."""
+        return {}
+
+    def load_growth_state(self, state: dict[str, Any], iteration: int) -> None:
+        """A standby that joins a job growing back takes :meth:`growth_state`; the job
+        continues from ``iteration``."""
 
     def _job_state(self) -> StageState:
         """The script's model and optimizer, by canonical parameter names."""
-        return StageState.of_model(self._model.module, self._optimizer,
+        return StageState.of_model(self._job_module(), self._optimizer,
                                    job_first_layer(self.args, self.runtime.rank),
                                    tied=not self.args.untie_embeddings_and_output_weights)
+
+    def _job_module(self) -> torch.nn.Module:
+        """The script's model, unwrapped (a Megatron-Core script's model is its DDP)."""
+        return self._model.module
 
     def continue_as_joiner(self) -> Continuation:
         if self._sharded:

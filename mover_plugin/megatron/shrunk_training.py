@@ -2,7 +2,8 @@
 
 When a rank is lost and no standby is ready, a job whose script handed its stage recipe to
 :meth:`MegatronResilience.enable_templates
-<mover_plugin.megatron.resilience.MegatronResilience.enable_templates>` shrinks: the controller
+<mover_plugin.megatron.resilience.MegatronResilience.enable_templates>` (on Megatron-LM's own
+loop the drop-in builds it: :mod:`mover_plugin.megatron.lm_templates`) shrinks: the controller
 plans the survivors' pipelines (:mod:`mover_plugin.shrink`), and each survivor, in the world
 of the survivors, builds the stage the plan gives it with the script's own builder
 (:class:`~mover_plugin.megatron.template_training.StageTrainer`), copies into it the layers it
@@ -39,7 +40,7 @@ import argparse
 import logging
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -67,10 +68,13 @@ FINAL_FOLDER = "templates_final"
 
 
 def template_spec(args: argparse.Namespace, settings: ResilienceSettings,
-                  sharded: bool, quiet: bool = False) -> Optional[TemplateSpec]:
+                  sharded: bool, quiet: bool = False, refused: Sequence[str] = (),
+                  profile: Optional[dict[str, Any]] = None) -> Optional[TemplateSpec]:
     """What the planner needs of this job, or None (with the reason logged, unless
-    ``quiet``) when it cannot train on pipeline templates."""
-    reasons = []
+    ``quiet``) when it cannot train on pipeline templates. ``refused``: reasons of the
+    caller's own; ``profile``: the record of a given profile (by default
+    ``args.template_profile``)."""
+    reasons = list(refused)
     if args.tensor_model_parallel_size != 1:
         reasons.append(f"tensor-parallel size {args.tensor_model_parallel_size}")
     if sharded:
@@ -88,7 +92,7 @@ def template_spec(args: argparse.Namespace, settings: ResilienceSettings,
                         tied=not args.untie_embeddings_and_output_weights,
                         microbatches=args.global_batch_size // args.micro_batch_size,
                         fault_tolerance=settings.fault_tolerance,
-                        profile=getattr(args, "template_profile", None))
+                        profile=profile or getattr(args, "template_profile", None))
 
 
 def measure_own_stage(args: argparse.Namespace, model: Any, recipe: StageRecipe,
@@ -143,11 +147,13 @@ class ShrunkTraining:
                        rank, self.trainer.role.layers[0], self.trainer.role.layers[1] - 1,
                        list(self.trainer.role.pipeline_ranks), plan["describe"])
 
-    def step(self, iteration: int, vote: bool = False) -> tuple[float, float]:
+    def step(self, iteration: int, vote: bool = False,
+             repeat: Optional[Callable[[Callable[[], list]], list]] = None
+             ) -> tuple[float, float]:
         """One iteration: (the mean loss over the global batch, the gradient norm). ``vote``:
         this rank saw the request to grow back; :attr:`grow_agreed` then says whether any
-        rank did."""
-        return self.trainer.train_step(iteration, vote)
+        rank did. ``repeat``: see :meth:`StageTrainer.train_step`."""
+        return self.trainer.train_step(iteration, vote, repeat)
 
     @property
     def grow_agreed(self) -> bool:
@@ -173,17 +179,18 @@ class ShrunkTraining:
 
 
 def move_back(plan: dict[str, Any], rank: int, held: Optional[StageState], job: StageState,
-              schedule: Optional[dict[str, Any]]) -> tuple[dict[str, Any], int]:
+              carried: Optional[dict[str, Any]]) -> tuple[dict[str, Any], int]:
     """Growing back (every rank of the job's world calls it): each unit of the job's layout
     that ``rank`` lacks comes from the survivor the plan names, into the script's own model and
     optimizer (``job``); ``held`` is a survivor's state on the templates (None at a standby).
-    Returns the learning-rate schedule, sent by the first survivor (``schedule`` there), and
-    the bytes received. The transfers go over a group of all ranks: two ranks of the job's
-    layout need not share any other group."""
+    Returns what the first survivor carries to every rank (``carried`` there: the
+    learning-rate schedule, and what else the job's loop needs), and the bytes received. The
+    transfers go over a group of all ranks: two ranks of the job's layout need not share any
+    other group."""
     everyone = dist.new_group(list(range(dist.get_world_size())))
     moves = [Transfer(unit, source, destination) for unit, source, destination in plan["moves"]]
     received = relayout(moves, rank, held, job, group=everyone)
-    carried = [schedule]
+    carried = [carried]
     dist.broadcast_object_list(carried, src=plan["survivors"][0], group=everyone)
     dist.destroy_process_group(everyone)
     return carried[0], received

@@ -67,6 +67,9 @@ class StageRecipe:
     seq_length: int
     micro_batch_size: int
     global_batch_size: int
+    optimizer_overrides: Any = None
+    """Megatron-Core's per-parameter optimizer settings (``config_overrides``), as the job's
+    optimizer was built with them (None: none)."""
 
 
 # -- groups -----------------------------------------------------------------------------------
@@ -278,6 +281,7 @@ class StageTrainer:
                                              ddp_config=DistributedDataParallelConfig(),
                                              module=module, pg_collection=self.pg_collection)
         self.optimizer = get_megatron_optimizer(recipe.optimizer_config, [self.model],
+                                                config_overrides=recipe.optimizer_overrides,
                                                 use_gloo_process_groups=False,
                                                 pg_collection=self.pg_collection)
         self.scheduler = recipe.build_scheduler(self.optimizer)
@@ -333,40 +337,54 @@ class StageTrainer:
             dist.all_reduce(flat, group=group)
             _unflatten(flat, grads)
 
-    def train_step(self, iteration: int, vote: bool = False) -> tuple[float, float]:
+    def train_step(self, iteration: int, vote: bool = False,
+                   repeat: Optional[Callable[[Callable[[], list]], list]] = None
+                   ) -> tuple[float, float]:
         """One optimizer step on global batch ``iteration``: (mean loss over the global batch,
         gradient norm); every rank of the world calls it. The loss all-reduce also carries
-        ``vote``: afterwards :attr:`voted` says whether any rank voted."""
+        ``vote``: afterwards :attr:`voted` says whether any rank voted. ``repeat`` runs the
+        forward and backward passes (given as a function returning their losses) as the
+        training loop runs them (Megatron-LM's rerun state machine may run them again); by
+        default once."""
         from megatron.core.pipeline_parallel.schedules import (
             forward_backward_no_pipelining,
             forward_backward_pipelining_without_interleaving,
         )
 
         role, recipe = self.role, self.recipe
-        self.model.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        data = (recipe.microbatch(iteration, slot) for slot in range(*role.microbatches))
-        common = dict(forward_step_func=recipe.forward_step, data_iterator=data,
-                      model=[self.model], num_microbatches=role.num_microbatches,
-                      seq_length=recipe.seq_length, micro_batch_size=recipe.micro_batch_size,
-                      forward_only=False, pg_collection=self.pg_collection)
-        if self._p2p is not None:
-            losses = forward_backward_pipelining_without_interleaving(
-                p2p_communicator=self._p2p, **common)
-        else:
-            losses = forward_backward_no_pipelining(**common)
+
+        def forward_backward() -> list:
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            data = (recipe.microbatch(iteration, slot) for slot in range(*role.microbatches))
+            common = dict(forward_step_func=recipe.forward_step, data_iterator=data,
+                          model=[self.model], num_microbatches=role.num_microbatches,
+                          seq_length=recipe.seq_length,
+                          micro_batch_size=recipe.micro_batch_size, forward_only=False,
+                          pg_collection=self.pg_collection)
+            if self._p2p is not None:
+                return forward_backward_pipelining_without_interleaving(
+                    p2p_communicator=self._p2p, **common)
+            return forward_backward_no_pipelining(**common)
+
+        losses = repeat(forward_backward) if repeat is not None else forward_backward()
         _, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=recipe.global_batch_size)
         return self._global_loss(losses, vote), float(grad_norm or 0.0)
 
     def _global_loss(self, losses: list[dict[str, torch.Tensor]], vote: bool) -> float:
-        total = torch.zeros(2, dtype=torch.float64)
+        """The loss over the global batch, as the job reports it: the mean of the
+        micro-batches' losses, or, where each micro-batch reports ``[loss sum, tokens]`` (as
+        Megatron-LM's GPT loss does), the sum of the sums over the sum of the tokens."""
+        total = torch.zeros(3, dtype=torch.float64)
         if self.role.post_process:
-            total[0] += sum(float(item["lm loss"]) for item in losses)
-        total[1] = float(vote)
+            for item in losses:
+                value = item["lm loss"].detach().double().view(-1)
+                total[:2] += value if value.numel() == 2 else torch.cat([value, value.new_ones(1)])
+        total[2] = float(vote)
         dist.all_reduce(total)
-        self.voted = bool(total[1] > 0)
-        return total[0].item() / self.placement.microbatches
+        self.voted = bool(total[2] > 0)
+        return (total[0] / total[1]).item()
 
     def take_scheduler_state(self, state: dict[str, Any]) -> None:
         """The learning-rate schedule where the job's was."""

@@ -86,6 +86,8 @@ class DropInHooks(MegatronLMHooks):
         its own): for ``--inject-failure``, the restart policy's summary and hang detection."""
         self._pretrain: Optional["PretrainCall"] = None
         """What the script gave Megatron-LM's ``pretrain`` (a standby warms up with it)."""
+        self._train_dataset: Any = None
+        """The training dataset Megatron-LM built on this rank, last time it built one."""
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         """mover_plugin's flags on Megatron-LM's parser."""
@@ -159,7 +161,37 @@ class DropInHooks(MegatronLMHooks):
         if self.resilience is not None:
             self.resilience.before_data_iterators()
         self._data_iterators = lambda: build(*args, **kwargs)
-        return build(*args, **kwargs)
+        iterators = build(*args, **kwargs)
+        if self.resilience is not None:
+            self.resilience.after_data_iterators(self._train_dataset)
+        return iterators
+
+    def around_datasets(self, build: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        datasets = build(*args, **kwargs)
+        self._train_dataset = datasets[0]
+        return datasets
+
+    def around_save(self, save: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Megatron-LM's checkpoint, skipped while the job trains on pipeline templates (the
+        script's model rests; the final parameters are written by unit at the end)."""
+        if self._on_templates():
+            from mover_plugin.megatron.lm_templates import skipped_on_templates
+
+            iteration = _argument(args, kwargs, 0, "iteration")
+            return skipped_on_templates(f"Megatron-LM's checkpoint at iteration {iteration}")
+        return save(*args, **kwargs)
+
+    def around_evaluation(self, evaluate: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Megatron-LM's evaluation, skipped while the job trains on pipeline templates."""
+        if self._on_templates():
+            from mover_plugin.megatron.lm_templates import skipped_on_templates
+
+            prefix = _argument(args, kwargs, 0, "prefix")
+            return skipped_on_templates(f"Megatron-LM's evaluation ({prefix})")
+        return evaluate(*args, **kwargs)
+
+    def _on_templates(self) -> bool:
+        return self.resilience is not None and self.resilience.on_templates
 
     def around_train_step(self, train_step: Callable[..., Any], *args: Any,
                           **kwargs: Any) -> Any:
@@ -187,6 +219,8 @@ class DropInHooks(MegatronLMHooks):
             # Megatron-LM logs a process's first iteration whatever the log interval, with a
             # WORLD barrier and gather; a joiner's first is not the job's: log as the others.
             kwargs["is_first_iteration"] = False
+        if self.resilience.on_templates:
+            kwargs["pg_collection"] = self.resilience.stage_groups  # the model's rest
         report_memory_flag = kwargs["report_memory_flag"] if "report_memory_flag" in kwargs \
             else args[5]
         return self.resilience.between_steps(lambda: training_log(*args, **kwargs),
@@ -207,10 +241,15 @@ class DropInHooks(MegatronLMHooks):
                 break
             except RolledBack:
                 args, kwargs = self._with_new_data_iterators(args, kwargs)
+        import torch
         from megatron.training import get_args
 
         megatron_args = get_args()
-        if megatron_args.resilient_params_digest:
+        if megatron_args.resilient_params_digest and self._on_templates():
+            # The parameters go to --save by unit (the resilience's finish).
+            if torch.distributed.get_rank() == 0:
+                print("PARAMS_DIGEST none: the job ended on pipeline templates", flush=True)
+        elif megatron_args.resilient_params_digest:
             report_digest(megatron_args, kwargs["model"] if "model" in kwargs else args[1])
         if self.resilience is not None:
             self.resilience.finish()
@@ -248,9 +287,12 @@ def check_arguments(args: argparse.Namespace) -> None:
     """mover_plugin's checks of Megatron-LM's validated ``args``. Nothing but plain values is
     added to ``args``: Megatron-LM saves them in its checkpoints, which load with
     ``weights_only`` (and where mover_plugin is not installed)."""
-    ResilienceSettings.from_args(args)
+    settings = ResilienceSettings.from_args(args)
     if not args.resilient:
         return
+    from mover_plugin.megatron.arguments import checked_template_profile
+
+    checked_template_profile(args, settings.fault_tolerance)
     if args.data_parallel_size < 2:
         raise ConfigError(
             f"--resilient needs a data-parallel twin for every rank, but the data-parallel "
