@@ -61,7 +61,8 @@ LM_FLAGS = ["--transformer-impl", "local", "--distributed-backend", "gloo",
             "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine",
             "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--mock-data",
             "--split", "100,0,0", "--eval-iters", "0", "--eval-interval", "100000",
-            "--log-interval", "1", "--seed", "1234", "--ckpt-format", "torch"]
+            "--log-interval", "1", "--seed", "1234", "--ckpt-format", "torch",
+            "--resilient-params-digest"]
 """Megatron-LM's flags besides the model's: a CPU run's, its mock data, a step line per
 iteration, checkpoints in its ``torch`` format."""
 
