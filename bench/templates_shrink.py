@@ -4,9 +4,10 @@ and after growing back, and the downtime of each change against a restart of the
 
 The example's Megatron-Core GPT (TP1 x PP2 x DP2 on 4 CPU processes, 8 layers of width 64, no
 dropout), or with ``--megatron-lm`` the same model on Megatron-LM's own loop
-(examples/megatron_lm/pretrain_gpt.py, Megatron-LM's flags and checkpoints), runs under ``mover-launch --policy resilient --standbys 0 --refill-delay-s 0`` with
-``--resilient``. Before its first step each pipeline stage measures its layers (the per-layer
-profile, mover_plugin.megatron.layer_profile), which the planner plans from. Its agent
+(examples/megatron_lm/pretrain_gpt.py, Megatron-LM's flags and checkpoints), runs under
+``mover-launch --policy resilient --standbys 0 --refill-delay-s 0`` with ``--resilient``.
+Before its first step each pipeline stage measures its layers (the per-layer profile,
+mover_plugin.megatron.layer_profile), which the planner plans from. Its agent
 SIGKILLs rank 3 at step ``--kill-at``; with no standby ready the survivors shrink onto the
 planner's pipelines for three hosts (a 2-stage and a 1-stage pipeline); the lost rank's slot
 is refilled with a standby at once, and once it is ready the job grows back to PP2 x DP2. It

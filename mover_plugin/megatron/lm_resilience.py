@@ -59,6 +59,7 @@ import torch
 
 from mover_plugin.comm.world import cover_world
 from mover_plugin.errors import LaunchError
+from mover_plugin.megatron.arguments import checked_template_profile
 from mover_plugin.megatron.checkpoint import restore_rng_state
 from mover_plugin.megatron.distributed_optimizer import ensure_shard_state
 from mover_plugin.megatron.lm_standby import (
@@ -67,7 +68,6 @@ from mover_plugin.megatron.lm_standby import (
     megatron_state_kept,
     without_checkpoint,
 )
-from mover_plugin.megatron.arguments import checked_template_profile
 from mover_plugin.megatron.lm_templates import (
     StageView,
     lm_stage_recipe,

@@ -4,13 +4,13 @@ Megatron-LM's ``pretrain``.
 
 - :func:`lm_stage_recipe`: a stage of any placement is built by the script's model provider
   (or its config container's model builder) with a transformer config of the stage's layers
-  alone (pipeline size 1) and the stage's process groups; its optimizer and learning-rate schedule are Megatron-LM's, from its
-  flags; its forward step is the script's. Slot ``s`` of iteration ``i``'s global batch is the
-  micro-batch of training samples ``C + s * mbs`` to ``C + (s + 1) * mbs``, where ``C`` is
-  Megatron-LM's ``consumed_train_samples`` at the iteration's start: the samples the job's
-  data-parallel ranks read in that iteration (Megatron-LM's ``MegatronPretrainingSampler``
-  gives them out in order), read from the training dataset and collated as its data loader
-  does.
+  alone (pipeline size 1) and the stage's process groups; its optimizer and learning-rate
+  schedule are Megatron-LM's, from its flags; its forward step is the script's. Slot ``s``
+  of iteration ``i``'s global batch is the micro-batch of training samples ``C + s * mbs`` to
+  ``C + (s + 1) * mbs``, where ``C`` is Megatron-LM's ``consumed_train_samples`` at the
+  iteration's start: the samples the job's data-parallel ranks read in that iteration
+  (Megatron-LM's ``MegatronPretrainingSampler`` gives them out in order), read from the
+  training dataset and collated as its data loader does.
 - :class:`StageView`: what the script's code reads of the parallel layout while it trains a
   stage — Megatron-Core's ``parallel_state`` groups (tensor, context and pipeline parallel, the
   embedding groups, the model-parallel group) set to the stage's groups as
