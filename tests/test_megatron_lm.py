@@ -65,8 +65,13 @@ def test_mover_launch_trains_megatron_lm_exactly_as_torchrun_does(layout, tmp_pa
     (["--resilient", "--use-distributed-optimizer", "--overlap-grad-reduce",
       "--overlap-param-gather"], ["--policy", "resilient"],
      "--resilient with --overlap-param-gather is not supported yet"),
+    (["--resilient", "--resilient-fault-tolerance", "4"], ["--policy", "resilient"],
+     "--resilient-fault-tolerance 4 is too large: it needs 5 pipelines"),
+    (["--resilient", "--resilient-template-profile", "/nonexistent/profile.json"],
+     ["--policy", "resilient"], "/nonexistent/profile.json: no such profile"),
 ], ids=["unknown-flag", "megatron-check", "resilience-setting", "policy-without-flag",
-        "resilient-without-twin", "resilient-overlap-param-gather"])
+        "resilient-without-twin", "resilient-overlap-param-gather", "templates-tolerance",
+        "templates-profile"])
 def test_bad_megatron_lm_input_stops_the_job_before_any_worker(flags, launcher_flags, message,
                                                                tmp_path):
     result = mover_launch(*PP2, *flags, launcher_flags=launcher_flags, cwd=tmp_path,
