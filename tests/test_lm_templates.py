@@ -12,6 +12,7 @@ import torch
 
 from mover_plugin.megatron.lm_standby import PretrainCall
 from mover_plugin.megatron.lm_templates import lm_template_refusals, training_microbatch
+from mover_plugin.patches import apply_patches
 from mover_plugin.testing import run_ranks
 
 pytest.importorskip("megatron.training")
@@ -53,7 +54,11 @@ def test_the_slots_of_an_iteration_read_the_samples_megatron_lm_gives_its_ranks(
 def megatron_lm_args(**overrides) -> argparse.Namespace:
     values = dict(pipeline_model_parallel_size=2, dataloader_type="single",
                   rampup_batch_size=None, phase_transition_iterations=None,
-                  calculate_per_token_loss=False, log_params_norm=False, use_mup=False)
+                  calculate_per_token_loss=False, log_params_norm=False, use_mup=False,
+                  decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None,
+                  pipeline_model_parallel_layout=None,
+                  account_for_embedding_in_pipeline_split=False,
+                  account_for_loss_in_pipeline_split=False, mtp_num_layers=None)
     return argparse.Namespace(**{**values, **overrides})
 
 
@@ -73,6 +78,10 @@ def test_a_job_megatron_lm_can_train_on_templates_is_refused_nothing():
     ({"dataloader_type": "cyclic"}, "--dataloader-type cyclic"),
     ({"rampup_batch_size": [4, 4, 100]}, "--rampup-batch-size"),
     ({"phase_transition_iterations": [10]}, "--phase-transition-iterations"),
+    ({"decoder_first_pipeline_num_layers": 1}, "an uneven or custom pipeline split"),
+    ({"pipeline_model_parallel_layout": "Et|tL"}, "an uneven or custom pipeline split"),
+    ({"account_for_loss_in_pipeline_split": True}, "an uneven or custom pipeline split"),
+    ({"mtp_num_layers": 1}, "--mtp-num-layers"),
     ({"calculate_per_token_loss": True}, "--calculate-per-token-loss"),
     ({"log_params_norm": True}, "--log-params-norm"),
     ({"use_mup": True}, "--use-mup"),
@@ -86,6 +95,35 @@ def test_a_job_whose_model_comes_from_neither_provider_nor_config_is_refused():
     for call in (None, PretrainCall(None, print, model_provider=None, cfg_container=None)):
         assert lm_template_refusals(megatron_lm_args(), call) == [
             "neither a model provider nor a model config given to pretrain()"]
+
+
+def test_a_loss_validated_outside_an_iteration_passes_with_the_reruns_off():
+    """Megatron-LM's GPT loss validates every loss with the rerun state machine, which in its
+    default mode accepts that only inside an iteration; a stage's measurement before the first
+    step runs its forward step with the reruns off, and the machine's mode is put back."""
+    from megatron.core.rerun_state_machine import RerunMode, get_rerun_state_machine
+
+    from mover_plugin.megatron.lm_templates import rerun_checks_off
+
+    machine = get_rerun_state_machine()
+    mode = machine.mode
+    machine.mode = RerunMode.VALIDATE_RESULTS
+
+    def validate(loss: float) -> None:
+        machine.validate_result(result=torch.tensor(loss), rejection_func=torch.isnan,
+                                message="NaN in the loss", tolerance=0.0, fatal=True)
+
+    try:
+        with pytest.raises(AssertionError, match="outside of the forward-backward pass"):
+            validate(1.0)
+        with rerun_checks_off():
+            validate(1.0)
+            # (its message names the device: the CPU stand-in for torch.cuda.current_device)
+            with apply_patches("curdev"), pytest.raises(RuntimeError, match="NaN in the loss"):
+                validate(float("nan"))
+        assert machine.mode == RerunMode.VALIDATE_RESULTS
+    finally:
+        machine.mode = mode
 
 
 def stage_view(rank: int, world_size: int) -> dict:

@@ -48,6 +48,7 @@ worker processes' effect on detection (``--num-workers 0`` keeps it fast).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import time
@@ -72,11 +73,12 @@ from mover_plugin.megatron.lm_templates import (
     StageView,
     lm_stage_recipe,
     lm_template_refusals,
+    rerun_checks_off,
 )
 from mover_plugin.megatron.resilience import MegatronResilience
 from mover_plugin.megatron.shrunk_training import template_spec
 from mover_plugin.megatron.standby import parallel_layout
-from mover_plugin.runtime.adapter import Transfer
+from mover_plugin.runtime.adapter import Continuation, Transfer
 from mover_plugin.runtime.handover import module_state_tensors
 from mover_plugin.runtime.replay import ReplayableIterator
 from mover_plugin.runtime.settings import ResilienceSettings
@@ -281,6 +283,15 @@ class MegatronLMResilience(MegatronResilience):
         return template_spec(self.args, settings, self._sharded, quiet=quiet,
                              profile=checked_template_profile(self.args,
                                                               settings.fault_tolerance))
+
+    def _measuring(self) -> contextlib.AbstractContextManager[Any]:
+        return rerun_checks_off()
+
+    def continue_on_templates(self, plan: dict[str, Any],
+                              snapshot: dict[str, Any]) -> Continuation:
+        # A shrink started again after another loss: the job's layout is read first.
+        StageView.leave(self.args)
+        return super().continue_on_templates(plan, snapshot)
 
     @property
     def stage_groups(self) -> Any:

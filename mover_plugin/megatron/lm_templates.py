@@ -13,8 +13,9 @@ Megatron-LM's ``pretrain``.
   training dataset and collated as its data loader does.
 - :class:`StageView`: what the script's code reads of the parallel layout while it trains a
   stage — Megatron-Core's ``parallel_state`` groups (tensor, context and pipeline parallel, the
-  embedding groups, the model-parallel group) set to the stage's groups as
-  ``initialize_model_parallel`` would set them for a job of that one pipeline, and
+  embedding groups) set to the stage's groups as ``initialize_model_parallel`` would set them
+  for a job of that one pipeline, the model-parallel group to every rank's (over which the
+  gradient norm is the job's), and
   Megatron-LM's ``args.pipeline_model_parallel_size`` to the pipeline's length. The
   data-parallel groups stay unset: Megatron-LM's loop then counts a global batch of
   ``data_parallel_size x micro_batch_size x micro-batches`` samples from its flags, as the job
@@ -29,10 +30,11 @@ batch on every rank.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import logging
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from mover_plugin.megatron.lm_standby import PretrainCall
 from mover_plugin.megatron.template_training import StageRecipe
@@ -51,6 +53,13 @@ STAGE_GROUPS = (
 and the stage's ``ProcessGroupCollection`` field each comes from."""
 
 
+UNEVEN_SPLIT_FLAGS = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+                      "pipeline_model_parallel_layout", "account_for_embedding_in_pipeline_split",
+                      "account_for_loss_in_pipeline_split")
+"""Megatron-LM's flags that split the layers over the job's stages other than evenly (the
+templates take a stage's first layer from an even split)."""
+
+
 def lm_template_refusals(args: argparse.Namespace, call: Optional[PretrainCall]) -> list[str]:
     """Why Megatron-LM's loop with ``args``, started by ``call``, cannot train on pipeline
     templates (none: it can); the reasons common to every Megatron-Core job are
@@ -64,6 +73,10 @@ def lm_template_refusals(args: argparse.Namespace, call: Optional[PretrainCall])
         "--rampup-batch-size": getattr(args, "rampup_batch_size", None) is not None,
         "--phase-transition-iterations": bool(getattr(args, "phase_transition_iterations",
                                                       None)),
+        "an uneven or custom pipeline split (--decoder-first/last-pipeline-num-layers, "
+        "--pipeline-model-parallel-layout, --account-for-embedding/loss-in-pipeline-split)":
+            any(getattr(args, name, None) for name in UNEVEN_SPLIT_FLAGS),
+        "--mtp-num-layers": bool(getattr(args, "mtp_num_layers", None)),
         "--calculate-per-token-loss": getattr(args, "calculate_per_token_loss", False),
         "--log-params-norm": getattr(args, "log_params_norm", False),
         "--use-mup": getattr(args, "use_mup", False),
@@ -167,6 +180,24 @@ class StageView:
             args.pipeline_model_parallel_size = cls._job_pipeline_size
             args.transformer_pipeline_model_parallel_size = cls._job_pipeline_size
             cls._job_pipeline_size = None
+
+
+@contextlib.contextmanager
+def rerun_checks_off() -> Iterator[None]:
+    """Megatron-Core's rerun state machine with its reruns off, for forward and backward passes
+    outside an iteration (the measurement of a stage before the first step): a loss function
+    that reports to it (Megatron-LM's GPT loss validates each micro-batch's loss) would
+    otherwise fail, as the machine expects reports only inside an iteration. NaN and Inf losses
+    are still refused."""
+    from megatron.core.rerun_state_machine import RerunMode, get_rerun_state_machine
+
+    machine = get_rerun_state_machine()
+    mode = machine.mode
+    machine.mode = RerunMode.DISABLED
+    try:
+        yield
+    finally:
+        machine.mode = mode
 
 
 def skipped_on_templates(what: str) -> None:

@@ -59,6 +59,7 @@ the restart baseline, or shrinks when the script enabled templates); every group
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import time
 import types
@@ -239,9 +240,16 @@ class MegatronResilience:
         if runtime.rank == 0:
             runtime.control.publish_templates(spec.to_record())
         if spec.profile is None:
-            measured = measure_own_stage(self.args, self._model, self._recipe, runtime.rank)
+            with self._measuring():
+                measured = measure_own_stage(self.args, self._model, self._recipe,
+                                             runtime.rank)
             if measured is not None:
                 runtime.control.publish_stage_profile(*measured)
+
+    def _measuring(self) -> contextlib.AbstractContextManager[Any]:
+        """What surrounds the measurement of this rank's stage before the first step (a
+        training loop's own checks that only hold inside an iteration are off there)."""
+        return contextlib.nullcontext()
 
     def _template_spec(self, quiet: bool) -> Optional[TemplateSpec]:
         """What the planner needs of this job, or None when it cannot train on templates."""

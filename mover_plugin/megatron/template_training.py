@@ -373,13 +373,15 @@ class StageTrainer:
         return self._global_loss(losses, vote), float(grad_norm or 0.0)
 
     def _global_loss(self, losses: list[dict[str, torch.Tensor]], vote: bool) -> float:
-        """The loss over the global batch, as the job reports it: the mean of the
-        micro-batches' losses, or, where each micro-batch reports ``[loss sum, tokens]`` (as
-        Megatron-LM's GPT loss does), the sum of the sums over the sum of the tokens."""
+        """The loss over the global batch, as the job reports it (``lm loss``, or the first
+        value a micro-batch reports): the mean of the micro-batches' losses, or, where each
+        micro-batch reports ``[loss sum, tokens]`` (as Megatron-LM's GPT loss does), the sum of
+        the sums over the sum of the tokens."""
         total = torch.zeros(3, dtype=torch.float64)
         if self.role.post_process:
             for item in losses:
-                value = item["lm loss"].detach().double().view(-1)
+                value = item.get("lm loss", next(iter(item.values())))
+                value = value.detach().double().view(-1)
                 total[:2] += value if value.numel() == 2 else torch.cat([value, value.new_ones(1)])
         total[2] = float(vote)
         dist.all_reduce(total)

@@ -241,6 +241,13 @@ class DropInHooks(MegatronLMHooks):
                 break
             except RolledBack:
                 args, kwargs = self._with_new_data_iterators(args, kwargs)
+            except SystemExit:
+                # Megatron-LM ends train() early (--exit-interval, --exit-duration-in-mins,
+                # its signal handler) with a checkpoint, which is skipped while shrunk: the
+                # parameters go to --save by unit instead.
+                if self.resilience is not None and self.resilience.on_templates:
+                    self.resilience.finish()
+                raise
         import torch
         from megatron.training import get_args
 
