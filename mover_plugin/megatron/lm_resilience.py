@@ -60,7 +60,6 @@ import torch
 
 from mover_plugin.comm.world import cover_world
 from mover_plugin.errors import LaunchError
-from mover_plugin.megatron.arguments import checked_template_profile
 from mover_plugin.megatron.checkpoint import restore_rng_state
 from mover_plugin.megatron.distributed_optimizer import ensure_shard_state
 from mover_plugin.megatron.lm_standby import (
@@ -76,13 +75,11 @@ from mover_plugin.megatron.lm_templates import (
     rerun_checks_off,
 )
 from mover_plugin.megatron.resilience import MegatronResilience
-from mover_plugin.megatron.shrunk_training import template_spec
 from mover_plugin.megatron.standby import parallel_layout
 from mover_plugin.runtime.adapter import Continuation, Transfer
 from mover_plugin.runtime.handover import module_state_tensors
 from mover_plugin.runtime.replay import ReplayableIterator
 from mover_plugin.runtime.settings import ResilienceSettings
-from mover_plugin.shrink import TemplateSpec
 
 logger = logging.getLogger(__name__)
 
@@ -277,12 +274,6 @@ class MegatronLMResilience(MegatronResilience):
         assert call is not None
         self.enable_templates(lm_stage_recipe(self.args, call, train_dataset))
         self._publish_template_spec()
-
-    def _template_spec(self, quiet: bool) -> Optional[TemplateSpec]:
-        settings = self.runtime.settings
-        return template_spec(self.args, settings, self._sharded, quiet=quiet,
-                             profile=checked_template_profile(self.args,
-                                                              settings.fault_tolerance))
 
     def _measuring(self) -> contextlib.AbstractContextManager[Any]:
         return rerun_checks_off()

@@ -99,7 +99,6 @@ from mover_plugin.runtime.handover import module_state_tensors
 from mover_plugin.runtime.peer_copy import PeerCopy, decide_continuation
 from mover_plugin.runtime.resilience import ResilienceRuntime
 from mover_plugin.runtime.settings import ResilienceSettings
-from mover_plugin.shrink import TemplateSpec
 
 logger = logging.getLogger(__name__)
 
@@ -234,7 +233,8 @@ class MegatronResilience:
         runtime = self.runtime
         if self._recipe is None or runtime.joiner_of is not None:
             return
-        spec = self._template_spec(quiet=runtime.rank != 0)
+        spec = template_spec(self.args, runtime.settings, self._sharded,
+                             quiet=runtime.rank != 0)
         if spec is None:
             return
         if runtime.rank == 0:
@@ -250,10 +250,6 @@ class MegatronResilience:
         """What surrounds the measurement of this rank's stage before the first step (a
         training loop's own checks that only hold inside an iteration are off there)."""
         return contextlib.nullcontext()
-
-    def _template_spec(self, quiet: bool) -> Optional[TemplateSpec]:
-        """What the planner needs of this job, or None when it cannot train on templates."""
-        return template_spec(self.args, self.runtime.settings, self._sharded, quiet=quiet)
 
     def enable_templates(self, recipe: StageRecipe) -> None:
         """Lets the job shrink onto pipeline templates when a rank is lost and no standby is

@@ -40,7 +40,7 @@ import argparse
 import logging
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -68,13 +68,10 @@ FINAL_FOLDER = "templates_final"
 
 
 def template_spec(args: argparse.Namespace, settings: ResilienceSettings,
-                  sharded: bool, quiet: bool = False, refused: Sequence[str] = (),
-                  profile: Optional[dict[str, Any]] = None) -> Optional[TemplateSpec]:
+                  sharded: bool, quiet: bool = False) -> Optional[TemplateSpec]:
     """What the planner needs of this job, or None (with the reason logged, unless
-    ``quiet``) when it cannot train on pipeline templates. ``refused``: reasons of the
-    caller's own; ``profile``: the record of a given profile (by default
-    ``args.template_profile``)."""
-    reasons = list(refused)
+    ``quiet``) when it cannot train on pipeline templates."""
+    reasons = []
     if args.tensor_model_parallel_size != 1:
         reasons.append(f"tensor-parallel size {args.tensor_model_parallel_size}")
     if sharded:
@@ -92,7 +89,7 @@ def template_spec(args: argparse.Namespace, settings: ResilienceSettings,
                         tied=not args.untie_embeddings_and_output_weights,
                         microbatches=args.global_batch_size // args.micro_batch_size,
                         fault_tolerance=settings.fault_tolerance,
-                        profile=profile or getattr(args, "template_profile", None))
+                        profile=getattr(args, "template_profile", None))
 
 
 def measure_own_stage(args: argparse.Namespace, model: Any, recipe: StageRecipe,

@@ -248,19 +248,25 @@ class DropInHooks(MegatronLMHooks):
                 if self.resilience is not None and self.resilience.on_templates:
                     self.resilience.finish()
                 raise
-        import torch
         from megatron.training import get_args
 
         megatron_args = get_args()
-        if megatron_args.resilient_params_digest and self._on_templates():
-            # The parameters go to --save by unit (the resilience's finish).
-            if torch.distributed.get_rank() == 0:
-                print("PARAMS_DIGEST none: the job ended on pipeline templates", flush=True)
-        elif megatron_args.resilient_params_digest:
-            report_digest(megatron_args, kwargs["model"] if "model" in kwargs else args[1])
+        if megatron_args.resilient_params_digest:
+            self._report_digest(megatron_args, kwargs["model"] if "model" in kwargs else args[1])
         if self.resilience is not None:
             self.resilience.finish()
         return result
+
+    def _report_digest(self, megatron_args: argparse.Namespace, model: Any) -> None:
+        """``PARAMS_DIGEST`` of the script's model; none for a job that ended on pipeline
+        templates, whose parameters go to --save by unit (the resilience's finish)."""
+        if not self._on_templates():
+            report_digest(megatron_args, model)
+            return
+        import torch.distributed as dist
+
+        if dist.get_rank() == 0:  # the first survivor
+            print("PARAMS_DIGEST none: the job ended on pipeline templates", flush=True)
 
     def _with_new_data_iterators(self, args: tuple[Any, ...], kwargs: dict[str, Any]
                                  ) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -292,14 +298,15 @@ def _raise_config_error(message: str) -> NoReturn:
 
 def check_arguments(args: argparse.Namespace) -> None:
     """mover_plugin's checks of Megatron-LM's validated ``args``. Nothing but plain values is
-    added to ``args``: Megatron-LM saves them in its checkpoints, which load with
+    added to ``args`` (``args.template_profile``: the checked profile's record, a dict of
+    numbers and names): Megatron-LM saves them in its checkpoints, which load with
     ``weights_only`` (and where mover_plugin is not installed)."""
     settings = ResilienceSettings.from_args(args)
     if not args.resilient:
         return
     from mover_plugin.megatron.arguments import checked_template_profile
 
-    checked_template_profile(args, settings.fault_tolerance)
+    args.template_profile = checked_template_profile(args, settings.fault_tolerance)
     if args.data_parallel_size < 2:
         raise ConfigError(
             f"--resilient needs a data-parallel twin for every rank, but the data-parallel "
