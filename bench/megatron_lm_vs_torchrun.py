@@ -45,6 +45,8 @@ from common import add_out_argument, benchmark_parser, interleaved_in, joined, n
 from jobs import (EXAMPLES, JOB_TIMEOUT_S, mover_launch_command, params_digest, run_job,
                   summary_with_digest)
 
+from mover_plugin.testing.megatron_lm import CPU_FLAGS
+
 SCRIPT = str(EXAMPLES / "megatron_lm" / "pretrain_gpt.py")
 ITERATIONS = 12
 FLAGS = ["--pipeline-model-parallel-size", "2", "--num-layers", "4", "--hidden-size", "64",
@@ -53,10 +55,7 @@ FLAGS = ["--pipeline-model-parallel-size", "2", "--num-layers", "4", "--hidden-s
          "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine",
          "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--mock-data",
          "--split", "100,0,0", "--eval-iters", "0", "--eval-interval", "1000",
-         "--log-interval", "1", "--seed", "1234", "--transformer-impl", "local",
-         "--distributed-backend", "gloo", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion",
-         "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
-         "--no-persist-layer-norm", "--num-workers", "0", "--resilient-params-digest",
+         "--log-interval", "1", "--seed", "1234", *CPU_FLAGS, "--resilient-params-digest",
          "--ckpt-format", "torch", "--save-interval", "1",
          "--hidden-dropout", "0", "--attention-dropout", "0"]
 """Without dropout, so that a restart resumed from Megatron-LM's checkpoint ends bit-exact too

@@ -46,6 +46,7 @@ from jobs import (EXAMPLES, GPT_EXAMPLE, checkpoint_flags, gpt_model_flags,
                   mover_launch_command, read_events, read_summary, run_job, summary_with_digest)
 
 from mover_plugin.megatron.template_run import JOB_PIPELINES
+from mover_plugin.testing.megatron_lm import CPU_FLAGS
 from mover_plugin.shrink import TemplateSpec
 
 LAYERS = 8
@@ -55,10 +56,7 @@ STEP_LINE = re.compile(r"^step\s+(\d+)/\d+ \|.*\| step time (\S+) ms", re.MULTIL
 
 LM_STEP_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): "
                           r"(\S+) \|")
-LM_FLAGS = ["--transformer-impl", "local", "--distributed-backend", "gloo",
-            "--no-bias-gelu-fusion", "--no-bias-dropout-fusion",
-            "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
-            "--no-persist-layer-norm", "--num-workers", "0", "--max-position-embeddings", "64",
+LM_FLAGS = [*CPU_FLAGS, "--max-position-embeddings", "64",
             "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine",
             "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--mock-data",
             "--split", "100,0,0", "--eval-iters", "0", "--eval-interval", "100000",

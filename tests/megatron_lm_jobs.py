@@ -11,14 +11,10 @@ from pathlib import Path
 
 from gpt_jobs import LAUNCH
 from mover_plugin.testing import run_command
+from mover_plugin.testing.megatron_lm import CPU_FLAGS
 
 SCRIPT = str(Path(__file__).parents[1] / "examples" / "megatron_lm" / "pretrain_gpt.py")
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
-CPU_FLAGS = ["--transformer-impl", "local", "--distributed-backend", "gloo",
-             "--no-bias-gelu-fusion", "--no-bias-dropout-fusion",
-             "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
-             "--no-persist-layer-norm", "--num-workers", "0"]
-"""What a CPU run adds to Megatron-LM's flags (no fused CUDA kernels, no DataLoader workers)."""
 FLAGS = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
          "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "2",
          "--global-batch-size", "8", "--train-iters", "6", "--lr", "1e-3", "--min-lr", "1e-4",
