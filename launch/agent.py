@@ -2,7 +2,7 @@
 
 The agent reads the controller's commands (``start``, ``stop``, ``promote``, ``generation``,
 ``notice``, ``cancel_promotion``, ``discard_leaver``, ``drop``, ``refill``, ``fence``,
-``rejoin``, ``finish``, ``abort``) from the store and posts what it sees (``joined``,
+``rejoin``, ``wind_down``, ``finish``, ``abort``) from the store and posts what it sees (``joined``,
 ``started``, ``ready``, ``first_step``, ``worker_exit``, ``leaver_exit``, ``injected``,
 ``migration_due``, ``hung``, ``standby_ready``, ``standby_exit``, ``stopped``, ``node_done``,
 ``node_busy``; ``steps``: global rank 0's step ends, batched by
@@ -19,7 +19,9 @@ joined) and is told to ``rejoin`` as a spare host.
 
 Besides the workers it starts the host's standby processes (same command, its standby id set in
 the environment, no rank) and relabels one as a worker when promoted; in a migration the process
-it replaces keeps running as a *leaver* until it has handed its state over and exits. A spare
+it replaces keeps running as a *leaver* until it has handed its state over and exits. Once the
+job is ending (``wind_down``: a rank finished training) it stops every process of the attempt
+that holds no rank and starts no standby until the next attempt. A spare
 host's agent starts only standbys (one per slot, or on the slots the workers of a lost host
 leave it after a restart) and reports its host idle until one of them is promoted. Notices to a
 generation are written into every local rank's notice pipe (``mover_plugin.runtime.notices``);
@@ -227,6 +229,8 @@ class Agent:
         self._generation = 0
         self._idle_reported = False
         """This host reported itself done because all its ranks moved away."""
+        self._winding_down = False
+        """The job is ending (``wind_down`` for the current attempt): no standby starts."""
         self._busy: dict[int, dict[int, float]] = {}
         """Busy times by step, then rank, until every local rank reported the step."""
         self._step_times = StepBatch(self._post)
@@ -293,6 +297,8 @@ class Agent:
             self._drop(command["ranks"])
         elif op == "refill":
             self._refill(command)
+        elif op == "wind_down" and command["attempt"] == self._attempt:
+            self._wind_down()
         elif op == "rejoin" and command["node"] == self.config.node.node_rank:
             self._rejoin(command)
         elif op == "generation":
@@ -319,6 +325,7 @@ class Agent:
         the standbys: ``--standbys``, or on a spare host one per slot no worker uses."""
         self._stop_workers()
         self._attempt = attempt
+        self._winding_down = False
         node = self.config.node
         for local_rank, rank in enumerate(ranks):
             self._spawn(rank, local_rank)
@@ -338,7 +345,7 @@ class Agent:
         self._attempt = command["attempt"]
         self._generation = command["generation"]
         for standby in command["standbys"]:
-            self._spawn(None, None, standby=standby)
+            self._spawn_standby(standby)
         self._idle_reported = True
         self._post("node_done", steps_completed=None, workers=[])
         logger.info("node %d is back in the job as a spare host (standbys %s)",
@@ -348,9 +355,32 @@ class Agent:
         """Starts a standby the controller asked of this host to refill the pool."""
         if command["node"] != self.config.node.node_rank or command["attempt"] != self._attempt:
             return
-        self._spawn(None, None, standby=command["standby"])
-        logger.info("node %d: started standby %s to refill the pool", self.config.node.node_rank,
-                    command["standby"])
+        if self._spawn_standby(command["standby"]):
+            logger.info("node %d: started standby %s to refill the pool",
+                        self.config.node.node_rank, command["standby"])
+
+    def _spawn_standby(self, standby: str) -> bool:
+        """Starts standby ``standby``, unless the job is ending; returns whether it did."""
+        if self._winding_down:
+            logger.info("node %d: standby %s not started: the job is ending",
+                        self.config.node.node_rank, standby)
+            return False
+        self._spawn(None, None, standby=standby)
+        return True
+
+    def _wind_down(self) -> None:
+        """The job is ending: every process here that holds no rank (a standby, ready or
+        still starting) is stopped, and no standby starts from now on."""
+        self._winding_down = True
+        standbys = [w for w in self._workers if w.rank is None]
+        running = [w for w in standbys if not w.exited]
+        stop_processes([w.process for w in running], self.config.stop_grace_s)
+        for worker in standbys:
+            self._close_pipe(worker)
+            self._workers.remove(worker)
+        if running:
+            logger.info("node %d: the job is ending; stopped standby(s) %s",
+                        self.config.node.node_rank, ", ".join(str(w.standby) for w in running))
 
     def _spawn(self, rank: Optional[int], local_rank: Optional[int],
                standby: Optional[str] = None) -> None:
@@ -498,10 +528,18 @@ class Agent:
 
     def _on_progress(self, worker: Worker, event: ProgressEvent) -> None:
         worker.last_heard = time.monotonic()
+        if event.kind == STEP_BEGIN:
+            worker.step_begun = event.step
         if event.kind == STEP_END:
-            # For the timeline every step end counts, also one of the generation a migration
-            # is leaving (its ranks train on in it until the switch).
+            # Every step end counts for the timeline and the steps completed, also one of the
+            # generation a migration is leaving (its ranks train on in it until the switch,
+            # or to the end of training if the migration is called off).
             self._step_times.add(worker.rank, event.step, event.time, event.duration_s)
+            worker.step_completed = event.step
+            worker.last_step_end = event.time
+            worker.last_step_duration = event.duration_s
+            worker.step_durations.append(event.duration_s)
+            worker.mark_cpu(event.step)
         if event.kind == HEARTBEAT:
             # A timeout of 0 ends the watch: the process is shutting down.
             worker.hang_timeout_s = event.duration_s or None
@@ -513,14 +551,8 @@ class Agent:
             worker.ready_reported = True
             self._post("ready", rank=worker.rank, step=event.step, time=event.time)
         elif event.kind == STEP_BEGIN:
-            worker.step_begun = event.step
             self._maybe_inject(worker, event.step)
         elif event.kind == STEP_END:
-            worker.step_completed = event.step
-            worker.last_step_end = event.time
-            worker.last_step_duration = event.duration_s
-            worker.step_durations.append(event.duration_s)
-            worker.mark_cpu(event.step)
             if not worker.first_step_reported:
                 worker.first_step_reported = True
                 self._post("first_step", rank=worker.rank, step=event.step, time=event.time,
@@ -640,11 +672,17 @@ class Agent:
                            "attempt": self._attempt, "generation": self._generation, **fields})
 
 
+def _leave(*_: Any) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    sys.exit(1)
+
+
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="[mover-agent] %(message)s", stream=sys.stderr)
     config = AgentConfig.from_json(os.environ[AGENT_CONFIG_ENV])
-    # The launcher stops its agents with SIGTERM: leave through ``finally`` to stop workers.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
+    # The launcher stops its agents with SIGTERM: leave through ``finally`` to stop workers,
+    # which a second SIGTERM must not cut short.
+    signal.signal(signal.SIGTERM, _leave)
     relay = StoreRelay(launch_secret(starts_every_host=False), config.master_addr,
                        config.master_port)
     return Agent(config, relay.client(CONTROL_TARGET, timeout_s=300), relay).run()

@@ -1,17 +1,16 @@
-"""Attempts and the standby pool: the controller's unit that starts the workers and ends the job.
+"""Attempts and the standby pool: the controller's unit that starts the workers.
 
 Each start of the workers is an *attempt*. Each attempt begins a new generation and rendezvouses on
 a fresh store the controller hosts, so keys of a failed attempt can never confuse the next. The
 agents start each host's standby processes with its workers; this unit keeps the pool of the ready
 ones (and tells its listeners of each standby ready or lost), and once every standby of the attempt
 is ready (at once without standbys) tells the workers they may train and arms the injected failures.
-When every node reports its workers done, the job ends and the summary gets the workers' statistics.
+The end of an attempt is :mod:`mover_plugin.launch.job_end`'s.
 """
 
 from __future__ import annotations
 
 import logging
-import statistics
 from typing import Callable, Mapping, Optional
 
 from mover_plugin.contract import standbys_ready_key
@@ -50,8 +49,7 @@ class Attempts(Unit):
     def handlers(self) -> Mapping[str, EventHandler]:
         return {"standby_ready": self._on_standby_ready,
                 "standby_warmed": self._on_standby_warmed, "peer_copy": self._on_peer_copy,
-                "standby_exit": self._on_standby_exit, "node_busy": self._on_node_busy,
-                "node_done": self._on_node_done}
+                "standby_exit": self._on_standby_exit}
 
     def start(self, attempt: int) -> Optional[int]:
         """Starts every worker (and standby) afresh as attempt ``attempt``; returns the
@@ -115,10 +113,10 @@ class Attempts(Unit):
         spec = config.nodes[node]
         return config.standbys_of(spec) - (len(placement.get(node, [])) if spec.spare else 0)
 
-    def drop_node(self, node: int) -> Optional[int]:
+    def drop_node(self, node: int) -> None:
         """``node`` was lost with its agent: its standbys leave the pool (and its share of the
-        target), the waits for every host stop waiting for it. Returns the launcher's exit
-        code when that ends the job (every other host had finished)."""
+        target), the waits for every host stop waiting for it (the job may have ended: see
+        :meth:`mover_plugin.launch.job_end.JobEnd.check`)."""
         ctx = self._ctx
         attempt = ctx.attempt
         attempt.host_standbys.pop(node, None)
@@ -133,7 +131,6 @@ class Attempts(Unit):
         for waiting in (attempt.done, attempt.stopped, attempt.started):
             waiting.pop(node, None)
         self._arm_when_provisioned()
-        return self._end_if_all_done() if attempt.done else None
 
     def add_spare_host(self, node: int, standbys: int) -> list[str]:
         """``node``, back in the job after it was lost, serves as a spare host with
@@ -160,6 +157,8 @@ class Attempts(Unit):
     # -- the standby pool -------------------------------------------------------------------
 
     def _on_standby_ready(self, event: Event) -> Optional[int]:
+        if self._ctx.attempt.ending:
+            return None  # its agent stops it: the job needs no standby any more
         pool = self._ctx.attempt.pool
         pool.add(event["standby"], event["node"])
         self._ctx.record("standby_ready", "pool", when=event["time"],
@@ -198,33 +197,3 @@ class Attempts(Unit):
             for exit_listener in self._on_exit:
                 exit_listener(event["standby"], node)
         return None
-
-    # -- the end of the job -----------------------------------------------------------------
-
-    def _on_node_busy(self, event: Event) -> Optional[int]:
-        """A host whose ranks had all moved away got one again (a standby promoted there)."""
-        self._ctx.attempt.done.pop(event["node"], None)
-        return None
-
-    def _on_node_done(self, event: Event) -> Optional[int]:
-        attempt = self._ctx.attempt
-        attempt.done[event["node"]] = event["steps_completed"]
-        attempt.finished_workers.extend(event["workers"])
-        return self._end_if_all_done()
-
-    def _end_if_all_done(self) -> Optional[int]:
-        """Ends the job (exit code 0) once every host in it reported its workers done."""
-        attempt = self._ctx.attempt
-        if set(attempt.done) != self._ctx.job.nodes:
-            return None
-        summary = self._ctx.summary
-        summary.steps_completed = min(
-            (steps for steps in attempt.done.values() if steps is not None), default=None)
-        workers = attempt.finished_workers
-        rss = [w["peak_rss_mb"] for w in workers if w["peak_rss_mb"] is not None]
-        steps = [w["median_step_s"] for w in workers if w["median_step_s"] is not None]
-        summary.worker_peak_rss_mb = max(rss) if rss else None
-        summary.median_step_time_s = statistics.median(steps) if steps else None
-        cpu = [w["cpu_per_step_s"] for w in workers if w.get("cpu_per_step_s") is not None]
-        summary.median_cpu_per_step_s = statistics.median(cpu) if cpu else None
-        return 0

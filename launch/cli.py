@@ -70,7 +70,10 @@ def _run_first_host(config: LaunchConfig, secret: bytes) -> int:
         with registered_job(config.master_addr, port, config.command, secret):
             return controller.run()
     finally:
-        stop_processes(list(agents.values()), grace_s=config.stop_grace_s + 5.0)
+        # The controller told the agents to finish (or abort): each stops what it still runs
+        # within --stop-grace-s and exits. Only then are they stopped.
+        stop_processes(list(agents.values()), grace_s=config.stop_grace_s + 5.0,
+                       exiting_s=config.stop_grace_s + 5.0)
         gate.close()
         _report(controller.summary, config)
 
@@ -170,7 +173,9 @@ def _report(summary: RunSummary, config: LaunchConfig) -> None:
     for refill in summary.refills:
         outcome = (f"ready after {refill.ready_at - refill.requested_at:.1f} s"
                    if refill.ready_at is not None else
-                   "lost before it was ready" if refill.lost_at is not None else "not ready")
+                   "lost before it was ready" if refill.lost_at is not None else
+                   "stopped at the end of the job" if refill.stopped_at is not None else
+                   "not ready")
         logger.info("refill: standby %s on node %d, %s", refill.standby, refill.node, outcome)
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, Callable, Mapping, Optional
 
 import torch.distributed as dist
@@ -87,13 +88,23 @@ class JobState:
     """The interruption in progress, until every rank completed a step after it."""
 
 
+class AttemptPhase(Enum):
+    """Where an attempt stands. ``TRAINING`` -> ``ENDING`` once a rank's script ended (a
+    worker exited 0): nothing new starts, and the standbys are stopped
+    (:mod:`mover_plugin.launch.job_end`). ``TRAINING`` or ``ENDING`` -> ``RESTARTING`` when
+    the job falls back to a restart (the next attempt starts in ``TRAINING``)."""
+
+    TRAINING = "training"
+    ENDING = "ending"
+    RESTARTING = "restarting"
+
+
 @dataclass
 class AttemptState:
     number: int = -1
     store: Optional[dist.TCPStore] = None
     """The store the attempt's workers rendezvous on (env://)."""
-    failed: bool = False
-    """A restart of this attempt is under way."""
+    phase: AttemptPhase = AttemptPhase.TRAINING
     stopped: dict[int, list[Event]] = field(default_factory=dict)
     """Per node: the progress of each worker it stopped."""
     started: dict[int, float] = field(default_factory=dict)
@@ -118,6 +129,16 @@ class AttemptState:
         """One standby slot of ``node`` leaves the target (it holds a worker, or stays empty)."""
         if self.host_standbys.get(node, 0) > 0:
             self.host_standbys[node] -= 1
+
+    @property
+    def failed(self) -> bool:
+        """A restart of this attempt is under way."""
+        return self.phase is AttemptPhase.RESTARTING
+
+    @property
+    def ending(self) -> bool:
+        """A rank's script ended: the job's end has begun."""
+        return self.phase is AttemptPhase.ENDING
 
     @property
     def standby_target(self) -> int:
@@ -241,3 +262,4 @@ class Context:
     def interrupted(self) -> bool:
         """Whether an interruption is in progress or a restart under way."""
         return self.job.interruption is not None or self.attempt.failed
+

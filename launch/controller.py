@@ -6,8 +6,9 @@ the operators' requests, and posts commands. Its work is divided among units tha
 :class:`~mover_plugin.launch.context.Context` (the job's settings, store, summary, event log,
 and the state of the job, of the current attempt and of the current generation):
 
-* :mod:`~mover_plugin.launch.attempts` — starting the workers (an *attempt*), the standby pool,
-  the end of the job;
+* :mod:`~mover_plugin.launch.attempts` — starting the workers (an *attempt*), the standby pool;
+* :mod:`~mover_plugin.launch.job_end` — the end of the job: winding it down once a rank
+  finished training, ending it once every host's ranks did;
 * :mod:`~mover_plugin.launch.timing` — the phases of each interruption;
 * :mod:`~mover_plugin.launch.recovery` — crash recovery: a standby in a new generation, the
   survivors on pipeline templates (a shrink), or a restart;
@@ -52,6 +53,7 @@ from mover_plugin.launch.context import Context, EventHandler, Unit
 from mover_plugin.launch.eventlog import EventLog
 from mover_plugin.launch.grow_back import GrowBack
 from mover_plugin.launch.host_loss import HostLoss
+from mover_plugin.launch.job_end import JobEnd
 from mover_plugin.launch.liveness import AgentWatch
 from mover_plugin.launch.migration import Migrations
 from mover_plugin.launch.operator_requests import OperatorRequests
@@ -115,6 +117,7 @@ class Controller:
         self._agents = AgentWatch(store, self._ctx.job.nodes, config.agent_timeout_s)
         self._last_requests_poll = 0.0
         self._attempts = Attempts(self._ctx)
+        self._job_end = JobEnd(self._ctx)
         self._timing = InterruptionTiming(self._ctx)
         self._recovery = CrashRecovery(self._ctx, self._timing, self._attempts)
         self._migrations = Migrations(self._ctx, self._recovery)
@@ -122,20 +125,22 @@ class Controller:
         self._step_timeline = StepTimeline(self._ctx)
         self._refill = StandbyRefill(self._ctx)
         self._grow_back = GrowBack(self._ctx)
-        self._host_loss = HostLoss(self._ctx, self._recovery, self._attempts,
+        self._host_loss = HostLoss(self._ctx, self._recovery, self._attempts, self._job_end,
                                    self._step_timeline, self._agents)
         self._wire()
         self._handler_of, self._any_attempt = handler_table(self._units())
 
     def _units(self) -> list[Unit]:
         return [self._attempts, self._timing, self._recovery, self._migrations, self._operator,
-                self._step_timeline, self._refill, self._host_loss, self._grow_back]
+                self._step_timeline, self._refill, self._host_loss, self._grow_back,
+                self._job_end]
 
     def _wire(self) -> None:
         # A failure during a migration is the migration's to judge first; the end of training
-        # during a growing back calls it off.
+        # during a growing back calls it off. Then the job winds down.
         self._recovery.add_coordinator(self._migrations)
         self._recovery.add_coordinator(self._grow_back)
+        self._recovery.when_rank_finished(self._job_end.rank_finished)
         # Once training runs again, a migration's request is done (first), and an injected
         # migration that waited may start.
         self._timing.when_resumed(self._migrations.on_resumed)

@@ -73,7 +73,8 @@ class GrowBack(Unit):
         has a standby for every lost rank; returns the new generation, or None."""
         ctx = self._ctx
         shrunk = ctx.attempt.shrunk
-        if shrunk is None or ctx.interrupted() or self._current() is not None:
+        if (shrunk is None or ctx.interrupted() or ctx.attempt.ending
+                or self._current() is not None):
             return None
         layout, spec = ctx.layout(), ctx.template_spec()
         assert layout is not None and spec is not None, "a shrunk job published both"

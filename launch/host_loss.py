@@ -47,6 +47,7 @@ from typing import Mapping, Optional
 from mover_plugin.launch.attempts import Attempts
 from mover_plugin.launch.config import NodeSpec
 from mover_plugin.launch.context import Context, Event, EventHandler, Unit
+from mover_plugin.launch.job_end import JobEnd
 from mover_plugin.launch.liveness import AgentWatch
 from mover_plugin.launch.recovery import CrashRecovery
 from mover_plugin.launch.step_times import StepTimeline
@@ -59,10 +60,11 @@ class HostLoss(Unit):
     """An agent that comes back, or a host that asks to join, has not heard of any attempt."""
 
     def __init__(self, ctx: Context, recovery: CrashRecovery, attempts: Attempts,
-                 steps: StepTimeline, agents: AgentWatch) -> None:
+                 job_end: JobEnd, steps: StepTimeline, agents: AgentWatch) -> None:
         self._ctx = ctx
         self._recovery = recovery
         self._attempts = attempts
+        self._job_end = job_end
         self._steps = steps
         self._agents = agents
 
@@ -93,6 +95,8 @@ class HostLoss(Unit):
         return None
 
     def _join_refusal(self, slots: int) -> Optional[str]:
+        if self._ctx.attempt.ending:
+            return "the job is ending: a rank finished training"
         if self._ctx.config.policy != "resilient":
             return (f"the job runs --policy {self._ctx.config.policy}; a joining host serves "
                     "as standbys, which only --policy resilient uses")
@@ -130,7 +134,9 @@ class HostLoss(Unit):
         self._agents.watch(node)
         if ctx.attempt.failed:
             ctx.attempt.stopped[node] = []  # a restart under way: nothing of it to stop here
-        standbys = self._attempts.add_spare_host(node, ctx.config.nodes[node].local_world_size)
+        # A host admitted just before the job began to end joins with no standby to start.
+        slots = 0 if ctx.attempt.ending else ctx.config.nodes[node].local_world_size
+        standbys = self._attempts.add_spare_host(node, slots)
         ctx.post({"op": "rejoin", "node": node, "attempt": ctx.attempt.number,
                   "generation": ctx.job.generation, "standbys": standbys})
         ctx.record("host_joined", "pool", node=node, host=event["host"], standbys=standbys)
@@ -155,7 +161,8 @@ class HostLoss(Unit):
         logger.error("host %s (node %d) lost: %s; its ranks: %s", host, node, how,
                      ranks or "none")
         ctx.post({"op": "fence", "node": node})
-        exit_code = self._attempts.drop_node(node)
+        self._attempts.drop_node(node)
+        exit_code = self._job_end.check()
         if exit_code is not None:
             return exit_code
         if ranks:

@@ -128,6 +128,8 @@ class OperatorRequests(Unit):
                 "generation": ctx.job.generation}
 
     def _check_job_can_migrate(self, ranks: list[int]) -> None:
+        if self._ctx.attempt.ending:
+            raise Rejected("the job is ending: a rank finished training")
         current = self._migrations.current
         if current is not None:
             busy = sorted(set(ranks) & set(current.ranks))

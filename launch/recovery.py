@@ -32,7 +32,7 @@ from typing import Callable, Literal, Mapping, Optional, Protocol, Union
 
 from mover_plugin.generations import Fallback, Replacement, plan_recovery
 from mover_plugin.launch.attempts import Attempts
-from mover_plugin.launch.context import Context, Event, EventHandler, Unit
+from mover_plugin.launch.context import AttemptPhase, Context, Event, EventHandler, Unit
 from mover_plugin.launch.summary import Interruption
 from mover_plugin.launch.timing import InterruptionTiming, note_last_step
 from mover_plugin.shrink import ShrinkPlan, TemplateSpec, plan_shrink
@@ -66,11 +66,17 @@ class CrashRecovery(Unit):
         self._finished: set[tuple[int, int]] = set()
         """(attempt, rank) of each worker that exited 0: its script ended."""
         self._slots_freed: list[Callable[[list[int]], None]] = []
+        self._rank_finished: list[Callable[[int], None]] = []
 
     def when_slots_freed(self, listener: Callable[[list[int]], None]) -> None:
         """``listener`` hears, at each recovery in place, the node of each lost rank: a slot
         there is free, while a standby became a worker."""
         self._slots_freed.append(listener)
+
+    def when_rank_finished(self, listener: Callable[[int], None]) -> None:
+        """``listener`` hears of every worker of the current attempt that exited 0, after
+        the coordinators."""
+        self._rank_finished.append(listener)
 
     def handlers(self) -> Mapping[str, EventHandler]:
         return {"worker_exit": self._on_worker_exit, "stopped": self._on_stopped,
@@ -232,7 +238,7 @@ class CrashRecovery(Unit):
         """Stops every worker of the attempt (they start again once all are stopped)."""
         ctx = self._ctx
         interruption.recovery = "restart"
-        ctx.attempt.failed = True
+        ctx.attempt.phase = AttemptPhase.RESTARTING
         if ctx.summary.restarts >= ctx.config.max_restarts:
             logger.error("no restart left (--max-restarts %d); stopping the job",
                          ctx.config.max_restarts)
@@ -248,6 +254,8 @@ class CrashRecovery(Unit):
             self._finished.add((event["attempt"], event["rank"]))
             for coordinator in self._coordinators:
                 coordinator.rank_finished(event["rank"])
+            for listener in self._rank_finished:
+                listener(event["rank"])
             return None
         if event.get("standby") is not None and (
                 ctx.job.membership.members.get(event["rank"]) != event["standby"]):

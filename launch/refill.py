@@ -19,7 +19,8 @@ would otherwise start one every delay for the rest of the job.
 A slot on a host that was lost since (:mod:`mover_plugin.launch.host_loss`) is refilled by
 no one. A planned migration refills nothing: the slot it frees is on the host being drained
 (or on the rank's slow host). A restart starts every standby afresh, so refills in flight are
-forgotten.
+forgotten. Once a rank finished training the job is ending
+(:mod:`mover_plugin.launch.job_end`): no refill starts, and those still starting are stopped.
 
 The target is the count of standby slots, kept per host (``host_standbys``): a promoted
 standby's slot holds a worker from then on (one fewer on its host); a crash recovered in place
@@ -35,7 +36,7 @@ import logging
 import time
 from typing import Mapping
 
-from mover_plugin.launch.context import Context, EventHandler, Unit
+from mover_plugin.launch.context import AttemptPhase, Context, EventHandler, Unit
 from mover_plugin.launch.summary import Interruption, Refill
 
 logger = logging.getLogger(__name__)
@@ -76,8 +77,8 @@ class StandbyRefill(Unit):
         delay; not while the attempt stops for a restart, nor on a host whose workers are
         done."""
         attempt = self._ctx.attempt
-        if attempt.failed:
-            return
+        if attempt.phase is not AttemptPhase.TRAINING:
+            return  # a restart starts every standby afresh; an ending job needs none
         if node in attempt.done:
             attempt.shrink_standby_slots(node)
             return
@@ -87,12 +88,15 @@ class StandbyRefill(Unit):
 
     def start_due(self) -> None:
         """Starts the standbys due by now that bring the pool back to its target (the
-        controller calls this at every poll)."""
+        controller calls this at every poll); none once the job is ending."""
         if not self._due or self._due[0][0] > time.monotonic():
             return
         self._forget_other_attempts()
         ctx = self._ctx
         attempt = ctx.attempt
+        if attempt.ending:
+            self._due.clear()
+            return
         now_monotonic = time.monotonic()
         while self._due and self._due[0][0] <= now_monotonic:
             _, node = self._due.pop(0)

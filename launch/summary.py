@@ -134,6 +134,8 @@ class Refill:
     ready_at: Optional[float] = None
     lost_at: Optional[float] = None
     """When it exited before it was ready."""
+    stopped_at: Optional[float] = None
+    """When the job began to end before it was ready (its agent stopped it)."""
 
 
 @dataclass

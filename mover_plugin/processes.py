@@ -21,14 +21,20 @@ _PR_SET_PDEATHSIG = 1
 
 
 def parent_death_signal(sig: int) -> Callable[[], None]:
-    """Returns a ``preexec_fn`` that makes the child receive ``sig`` when its parent dies."""
+    """Returns a ``preexec_fn`` that makes the child receive ``sig`` when its parent dies.
+    Run as a ``preexec_fn``, it also covers a parent that died between the fork and the call
+    (the kernel signals only a death after it): the child then gets ``sig`` at once. Called in
+    the process that made it (a child arming itself), it arms that process."""
+    parent = os.getpid()
 
     def preexec() -> None:
         try:
             libc = ctypes.CDLL(None, use_errno=True)
             libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
         except (OSError, AttributeError):  # not Linux: the child is still stopped by group
-            pass
+            return
+        if os.getpid() != parent and os.getppid() != parent:
+            os.kill(os.getpid(), sig)
 
     return preexec
 
@@ -60,8 +66,16 @@ def signal_group(process: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def stop_processes(processes: list[subprocess.Popen], grace_s: float) -> None:
-    """SIGTERMs every group, waits up to ``grace_s``, SIGKILLs what is left, reaps all."""
+def stop_processes(processes: list[subprocess.Popen], grace_s: float, *,
+                   exiting_s: float = 0.0) -> None:
+    """Waits up to ``exiting_s`` for processes told to exit to do so by themselves, then
+    SIGTERMs every group, waits up to ``grace_s``, SIGKILLs what is left, reaps all."""
+    deadline = time.monotonic() + exiting_s
+    for process in processes if exiting_s > 0 else []:
+        try:
+            process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
     for process in processes:
         if process.poll() is None:
             signal_group(process, signal.SIGTERM)

@@ -387,7 +387,8 @@ def test_a_loss_after_a_rank_finished_the_script_restarts_rather_than_promote(jo
     assert fallback["rank"] == 3 and fallback["reason"] == (
         "rank(s) [1, 2] already finished the script, and a new generation needs every rank")
     assert job.log("promote") == []
-    assert job.commands() == [{"op": "stop", "attempt": 0}]
+    # The first rank that finished wound the job down; the loss then restarts it.
+    assert job.commands() == [{"op": "wind_down", "attempt": 0}, {"op": "stop", "attempt": 0}]
 
 
 def shrinkable(job: "Job") -> None:
@@ -553,7 +554,9 @@ def test_a_survivor_that_finishes_after_the_switch_keeps_the_growing_back(tmp_pa
     job.worker("switched", rank=0, role="survivor", time=T0 + 21.0, boundary_end=T0 + 20.5)
     job.exit(2, returncode=0, how="exit code 0", when=T0 + 21.5)  # its last step came first
     job.poll()
-    assert job.log("grow_abandoned") == [] and job.commands() == []
+    # the joiner holds its rank: winding the job down leaves it alone
+    assert job.log("grow_abandoned") == []
+    assert job.commands() == [{"op": "wind_down", "attempt": 0}]
     assert job.key(CURRENT_GENERATION_KEY) == "2"
 
 
@@ -648,6 +651,100 @@ def test_every_node_done_ends_the_job_with_its_step_statistics(job):
     assert summary.steps_completed == 9 and summary.worker_peak_rss_mb == 101.0
     assert summary.median_step_time_s == 1.5 and summary.median_cpu_per_step_s == 0.5
     assert summary.exit_code == 0
+
+
+def _resumed_after_a_crash(job: Job) -> None:
+    """Rank 3 crashed and its replacement trains: its slot on node 1 waits for a refill."""
+    job.provision()
+    job.commands()
+    job.exit(3)
+    job.poll()
+    job.generation = 1
+    job.all_ranks("switched", when=T0 + 7.0)
+    job.first_steps(when=T0 + 8.0)
+    job.poll()
+
+
+def test_the_first_rank_that_finishes_winds_the_job_down_and_no_refill_starts(tmp_path):
+    """A refill due at the last step: the rank that finished first ends the attempt's
+    training phase; the refill is never asked for, and every agent stops its standbys."""
+    job = Job(tmp_path, refill_delay_s=0.5)
+    _resumed_after_a_crash(job)
+    assert [c for c in job.commands() if c["op"] == "refill"] == []  # not due yet
+    job.exit(0, returncode=0, how="exit code 0", step=11, when=T0 + 9.0)
+    job.poll()
+    assert job.commands() == [{"op": "wind_down", "attempt": 0}]
+    (ending,) = job.log("job_ending")
+    assert ending["rank"] == 0 and ending["refills_stopped"] == []
+    assert ending["standbys_stopped"] == ["a0.n1.s0"]  # the ready one left
+    time.sleep(0.6)
+    job.poll()  # the refill would be due now
+    assert job.commands() == [] and job.controller.summary.refills == []
+    assert job.request("status", "s1")["standbys"] == {}
+    # a standby that still reports ready is being stopped: no pool, no use
+    job.agent(1, "standby_ready", standby="a0.n1.s9")
+    job.poll()
+    assert job.request("status", "s2")["standbys"] == {} and job.commands() == []
+
+
+def test_a_refill_in_flight_when_training_ends_is_stopped_and_the_job_ends(tmp_path):
+    """A refill started at the last step: the wind-down stops it (the summary says so) and
+    the job ends once every host's ranks are done."""
+    job = Job(tmp_path, refill_delay_s=0.0)
+    _resumed_after_a_crash(job)
+    (refill,) = [c for c in job.commands() if c["op"] == "refill"]
+    for rank in (0, 1, 2, 3):
+        job.exit(rank, returncode=0, how="exit code 0", step=11, when=T0 + 9.0)
+    job.poll()
+    assert job.commands() == [{"op": "wind_down", "attempt": 0}]
+    assert job.log("job_ending")[0]["refills_stopped"] == [refill["standby"]]
+    job.agent(0, "node_done", steps_completed=11, workers=[])
+    job.agent(1, "node_done", steps_completed=11, workers=[])
+    assert job.poll() == 0
+    (item,) = job.controller.summary.to_dict()["refills"]
+    assert item["stopped_at"] is not None and item["ready_at"] is None
+    assert job.request("status", "s1")["refilling"] == {}
+
+
+def test_an_ending_job_refuses_a_host_that_asks_to_join_and_a_migration(job):
+    """A join or a migration asked for at the last step: refused with the reason; a host
+    admitted just before the end joins with no standby to start."""
+    job.provision()
+    job.worker("join_request", attempt=-1, host="host9", slots=1, pid=400, token="t9")
+    job.poll()
+    (admit,) = [c for c in job.commands() if c["op"] == "admit"]
+    job.exit(1, returncode=0, how="exit code 0", step=11, when=T0 + 9.0)
+    job.poll()
+    job.worker("join_request", attempt=-1, host="host8", slots=1, pid=401, token="t8")
+    job.poll()
+    (refused,) = [c for c in job.commands() if c["op"] == "join_refused"]
+    assert refused["token"] == "t8" and refused["reason"] == (
+        "the job is ending: a rank finished training")
+    assert job.request("migrate", "m1", ranks=[2]) == {
+        "ok": False, "error": "the job is ending: a rank finished training"}
+    job.agent(admit["node"]["node_rank"], "joined", attempt=-1, host="host9", nproc=0,
+              pid=400)
+    job.poll()
+    (rejoin,) = job.commands()
+    assert rejoin["op"] == "rejoin" and rejoin["standbys"] == []
+    for node in (0, 1):
+        job.agent(node, "node_done", steps_completed=11, workers=[])
+    assert job.poll() is None  # the joined host is in the job: its agent reports too
+    job.agent(admit["node"]["node_rank"], "node_done", steps_completed=None, workers=[])
+    assert job.poll() == 0
+    assert job.controller.summary.steps_completed == 11
+
+
+def test_a_standby_ready_for_a_shrunk_job_at_its_end_does_not_grow_it_back(tmp_path):
+    """The refill a shrunk job waited for becomes ready after a rank finished: the job ends
+    shrunk; no growing back starts."""
+    job, refill = shrunk_and_refilled(tmp_path)
+    job.exit(0, returncode=0, how="exit code 0", when=T0 + 21.0)
+    job.poll()
+    job.agent(0, "standby_ready", standby=refill["standby"], time=T0 + 22.0)
+    job.poll()
+    assert job.commands() == [{"op": "wind_down", "attempt": 0}]
+    assert job.log("grow") == [] and job.key(plan_key(2)) is None
 
 
 def _migrate_rank_1(job: Job) -> None:
