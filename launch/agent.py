@@ -84,6 +84,7 @@ from mover_plugin.processes import (
 from mover_plugin.progress import (
     HEARTBEAT,
     READY,
+    SCRIPT_END,
     STANDBY_READY,
     STEP_BEGIN,
     STEP_END,
@@ -111,6 +112,8 @@ class AgentConfig:
     injections: tuple[FailureInjection, ...] = ()
     stop_grace_s: float = 5.0
     standbys: int = 0
+    exit_timeout_s: float = 60.0
+    """How long a rank's process may take to exit once every script on this host ended."""
     migrations: tuple[MigrationInjection, ...] = ()
     report_busy: bool = False
     """Send the controller each step's busy times of this host's ranks (slow-rank policy)."""
@@ -130,6 +133,7 @@ class AgentConfig:
             injections=tuple(FailureInjection(**i) for i in raw["injections"]),
             stop_grace_s=raw["stop_grace_s"],
             standbys=raw["standbys"],
+            exit_timeout_s=raw["exit_timeout_s"],
             migrations=tuple(MigrationInjection(**i) for i in raw["migrations"]),
             report_busy=raw["report_busy"],
         )
@@ -158,6 +162,10 @@ class Worker:
     ready_reported: bool = False
     first_step_reported: bool = False
     exited: bool = False
+    script_status: Optional[int] = None
+    """The exit status its script ended with, once reported (its teardown follows)."""
+    script_ended_at: Optional[float] = None
+    """When that report was read (monotonic)."""
     last_heard: float = field(default_factory=time.monotonic)
     hang_timeout_s: Optional[float] = None
     step_durations: list[float] = field(default_factory=list)
@@ -545,6 +553,8 @@ class Agent:
             worker.hang_timeout_s = event.duration_s or None
         elif event.kind == STANDBY_READY:
             self._post("standby_ready", standby=worker.standby, time=event.time)
+        elif event.kind == SCRIPT_END:
+            worker.script_status, worker.script_ended_at = event.step, time.monotonic()
         elif event.generation >= 0 and event.generation < self._generation:
             return  # a report from before the current generation, read late
         elif event.kind == READY and not worker.ready_reported:
@@ -602,15 +612,15 @@ class Agent:
             # Megatron-Core's, spawned with multiprocessing) goes with it: it would hold the
             # job's output open and outlive the job.
             signal_group(worker.process, signal.SIGKILL)
-            returncode = worker.process.returncode
+            returncode, how = self._outcome(worker)
             if worker.rank is None:
                 self._post("standby_exit", standby=worker.standby, returncode=returncode,
-                           how=describe_exit(returncode))
+                           how=how)
             elif worker.leaving:
-                self._post("leaver_exit", returncode=returncode, how=describe_exit(returncode),
+                self._post("leaver_exit", returncode=returncode, how=how,
                            **worker.progress_fields())
             else:
-                self._post("worker_exit", returncode=returncode, how=describe_exit(returncode),
+                self._post("worker_exit", returncode=returncode, how=how,
                            **worker.progress_fields())
         ranked = [w for w in self._workers if w.rank is not None and not w.leaving]
         leavers = [w for w in self._workers if w.leaving]
@@ -623,12 +633,42 @@ class Agent:
             self._idle_reported = True
             self._post("node_done", steps_completed=None, workers=[])
             return
-        if ranked and all(w.exited and w.process.returncode == 0 for w in ranked):
+        self._bound_teardowns(ranked)
+        if ranked and all(w.exited and self._outcome(w)[0] == 0 for w in ranked):
             steps = min(w.step_completed for w in ranked)
             workers = [w.progress_fields() for w in ranked]
             self._stop_workers()  # the standbys left over
             self._step_times.post()
             self._post("node_done", steps_completed=steps, workers=workers)
+
+    @staticmethod
+    def _outcome(worker: Worker) -> tuple[int, str]:
+        """The exit status a rank's process ended with, and how, for the controller: a
+        process whose script ended with status 0 finished its rank, whatever its teardown
+        did."""
+        returncode = worker.process.returncode
+        how = describe_exit(returncode)
+        if worker.rank is None or worker.script_status != 0 or returncode == 0:
+            return returncode, how
+        return 0, f"its script ended with exit code 0; its teardown then ended with {how}"
+
+    def _bound_teardowns(self, ranked: list[Worker]) -> None:
+        """Once every rank here ended its script with status 0, the processes still tearing
+        down ``--exit-timeout-s`` after the last of them ended are stopped: a teardown that
+        hangs (a thread that never ends, a communicator's destructor) must not keep a
+        finished job from ending. (No heartbeat watches a process once its training ended.)"""
+        tearing_down = [w for w in ranked if not w.exited]
+        if not tearing_down or any(w.script_status != 0 for w in tearing_down):
+            return
+        if any(w.exited and self._outcome(w)[0] != 0 for w in ranked):
+            return  # a rank that failed: the controller decides
+        last = max(w.script_ended_at for w in tearing_down if w.script_ended_at is not None)
+        if time.monotonic() - last < self.config.exit_timeout_s:
+            return
+        logger.warning("rank(s) %s ended their script %.1f s ago and are still tearing down; "
+                       "stopping them", [w.rank for w in tearing_down],
+                       time.monotonic() - last)
+        stop_processes([w.process for w in tearing_down], 0.0)
 
     def _check_heartbeat(self, worker: Worker) -> None:
         timeout = worker.hang_timeout_s

@@ -138,6 +138,7 @@ def _agent_config(config: LaunchConfig, node_rank: int, port: int) -> AgentConfi
         migrations=tuple(i for i in config.migrations if i.rank in node.ranks),
         stop_grace_s=config.stop_grace_s,
         standbys=config.standbys_of(node),
+        exit_timeout_s=config.exit_timeout_s,
         report_busy=config.report_busy,
     )
 

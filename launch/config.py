@@ -129,6 +129,8 @@ class LaunchConfig:
     """... for this many steps in a row."""
     stop_grace_s: float = 5.0
     """Seconds between SIGTERM and SIGKILL when the launcher stops workers."""
+    exit_timeout_s: float = 60.0
+    """Seconds a rank's process may take to exit once every script on its host ended."""
     refill_delay_s: float = 30.0
     """Seconds after training resumed from a crash before a standby is started to refill the
     pool (resilient policy)."""
@@ -281,6 +283,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--summary", default=None, metavar="PATH", help="Write a JSON run summary to PATH.")
     add("--stop-grace-s", type=_positive_float, default=5.0,
         help="Seconds between SIGTERM and SIGKILL when stopping workers (default 5).")
+    add("--exit-timeout-s", type=_positive_float, default=60.0,
+        help="Seconds a rank's process may take to exit once every script on its host ended; "
+             "then it is stopped, its rank done (default 60).")
     add("--refill-delay-s", type=_non_negative_float, default=30.0,
         help="Seconds after training resumed from a crash before the lost rank's host starts "
         "a standby to refill the pool, and after a ready standby exited before its host "
@@ -377,6 +382,7 @@ def parse_launch_args(argv: Sequence[str], python: str,
         slow_rank_factor=args.slow_rank_factor,
         slow_rank_steps=args.slow_rank_steps or 5,
         stop_grace_s=args.stop_grace_s,
+        exit_timeout_s=args.exit_timeout_s,
         refill_delay_s=args.refill_delay_s,
         join_timeout_s=args.join_timeout_s,
         agent_timeout_s=agent_timeout_s,

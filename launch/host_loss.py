@@ -89,6 +89,7 @@ class HostLoss(Unit):
         ctx.post({"op": "admit", "token": event["token"], "node": asdict(spec),
                   "world_size": config.world_size, "command": list(config.worker_command),
                   "standbys": config.standbys_of(spec), "stop_grace_s": config.stop_grace_s,
+                  "exit_timeout_s": config.exit_timeout_s,
                   "report_busy": config.report_busy})
         ctx.record("host_admitted", "pool", node=spec.node_rank, host=host, slots=slots)
         logger.info("host %s asked to join: admitted as node %d", host, spec.node_rank)

@@ -63,7 +63,8 @@ def run_joining_host(config: JoinConfig) -> int:
     agent = AgentConfig(node=node, world_size=answer["world_size"],
                         master_addr=config.master_addr, master_port=config.master_port,
                         command=tuple(answer["command"]), stop_grace_s=answer["stop_grace_s"],
-                        standbys=answer["standbys"], report_busy=answer["report_busy"])
+                        exit_timeout_s=answer["exit_timeout_s"], standbys=answer["standbys"],
+                        report_busy=answer["report_busy"])
     return Agent(agent, store, relay).run()
 
 

@@ -16,9 +16,11 @@ A DeepSpeed standby with ``"standby_shadow_iterations"`` runs its script twice: 
 sandbox, to warm up, until the drop-in unwinds it; then, once promoted, for real
 (:mod:`mover_plugin.deepspeed.shadow_run`).
 
-When the script ends while a thread is still blocked in the wait of an operation abandoned with
-its group, the process skips the interpreter's teardown, which that thread would abort
-(:func:`mover_plugin.runtime.exits.end_of_script`).
+When the script ends, the worker tells its agent, with the script's exit status: the agent
+gives the process's teardown ``--exit-timeout-s`` from the last script of its host to end
+(:mod:`mover_plugin.launch.agent`). When the script ends while a thread is still blocked in
+the wait of an operation abandoned with its group, the process skips the interpreter's
+teardown, which that thread would abort (:func:`mover_plugin.runtime.exits.end_of_script`).
 
 Under ``torchrun`` the same module gives the same behaviour::
 
@@ -186,14 +188,19 @@ def _run(argv: list[str]) -> None:
 
 
 def _end_of_script(end: Optional[BaseException]) -> None:
-    """Ends the DeepSpeed drop-in's runtime if it ran; then skips the interpreter's teardown
-    when an abandoned operation still blocks a thread
-    (:func:`mover_plugin.runtime.exits.end_of_script`; nothing to check without mover's
-    groups); otherwise returns."""
+    """Ends the DeepSpeed drop-in's runtime if it ran; tells the agent (under ``mover-launch``)
+    that the script ended and with which status: what follows is the process's teardown, which
+    the agent bounds. Then skips the interpreter's teardown when an abandoned operation still
+    blocks a thread (:func:`mover_plugin.runtime.exits.end_of_script`; nothing to check
+    without mover's groups); otherwise returns."""
     if "mover_plugin.deepspeed.drop_in" in sys.modules:
         from mover_plugin.deepspeed.drop_in import finish
 
         finish()
+    from mover_plugin.processes import exit_status
+    from mover_plugin.progress import ProgressReporter
+
+    ProgressReporter.from_env().script_end(exit_status(end))
     if "mover_plugin.comm.context" in sys.modules:
         from mover_plugin.runtime.exits import end_of_script
 

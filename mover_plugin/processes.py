@@ -94,6 +94,17 @@ def stop_processes(processes: list[subprocess.Popen], grace_s: float, *,
         process.wait()
 
 
+def exit_status(end: Optional[BaseException]) -> int:
+    """The exit status Python gives a script that ended with ``end`` (None: it returned)."""
+    if end is None:
+        return 0
+    if not isinstance(end, SystemExit):
+        return 1
+    if end.code is None or isinstance(end.code, int):
+        return end.code or 0
+    return 1
+
+
 def describe_exit(returncode: int) -> str:
     """``'exit code 1'`` or ``'signal SIGKILL'`` for a Popen return code."""
     if returncode < 0:

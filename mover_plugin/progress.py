@@ -26,14 +26,16 @@ STEP_END = "step_end"
 READY = "ready"
 STANDBY_READY = "standby_ready"
 HEARTBEAT = "heartbeat"
-KINDS = (STEP_BEGIN, STEP_END, READY, STANDBY_READY, HEARTBEAT)
+SCRIPT_END = "script_end"
+KINDS = (STEP_BEGIN, STEP_END, READY, STANDBY_READY, HEARTBEAT, SCRIPT_END)
 
 
 @dataclass(frozen=True)
 class ProgressEvent:
     """One report: ``kind`` is one of :data:`KINDS`; ``step`` is 1-based (for ``ready``, the
-    number of steps already completed); ``duration_s`` is the step time of a ``step_end`` and,
-    for a ``heartbeat``, the silence after which the agent may declare the process hung."""
+    number of steps already completed; for ``script_end``, the script's exit status);
+    ``duration_s`` is the step time of a ``step_end`` and, for a ``heartbeat``, the silence
+    after which the agent may declare the process hung."""
 
     kind: str
     step: int
@@ -81,6 +83,11 @@ class ProgressReporter:
     def standby_ready(self) -> None:
         """A standby has warmed up and waits to be promoted."""
         self._send(ProgressEvent(STANDBY_READY, 0, time.time(), generation=self.generation))
+
+    def script_end(self, status: int) -> None:
+        """The script ended with exit status ``status``: what follows is the process's
+        teardown (see :meth:`mover_plugin.launch.agent.Agent`'s bound on it)."""
+        self._send(ProgressEvent(SCRIPT_END, status, time.time(), generation=self.generation))
 
     def heartbeat(self, failure_timeout_s: float) -> None:
         self._send(ProgressEvent(HEARTBEAT, 0, time.time(), failure_timeout_s, self.generation))

@@ -4,8 +4,8 @@ real job whose end meets a refill and a joining host's standby, each started at 
 The job runs tests/scripts/end_of_job.py: no framework, so it starts in seconds. Its standbys
 stand for ones still importing (they never report ready) or waiting, and ignore SIGTERM; rank 0
 begins its last step only once the refill and the joining host's standby have started, so
-both are in flight when training ends, every time. And a process whose parent dies just as it
-starts does not outlive it.
+both are in flight when training ends, every time; rank 1's process never ends after its
+script. And a process whose parent dies just as it starts does not outlive it.
 """
 
 from __future__ import annotations
@@ -76,19 +76,21 @@ def _wait_for(path: Path, process: subprocess.Popen) -> None:
 def test_a_job_ends_with_a_refill_and_a_joining_host_started_at_its_last_step(tmp_path):
     """The pool's standby ``a0.n0.s0`` exits, so a refill starts at once
     (``--refill-delay-s 0``); a host joins (``mover-launch --join``) and its agent starts a
-    standby; rank 0 ends training only once both have started. The first rank to finish winds
-    the job down: both agents stop their standbys (SIGTERM ignored: SIGKILL after the grace),
-    start no other, and the job and the joining host end with exit code 0, a complete summary
-    and no process left behind."""
+    standby; rank 0 ends training only once both have started. Rank 1's process never ends
+    after its script (a thread Python's teardown waits for). The first rank to finish winds the
+    job down: both agents stop their standbys (SIGTERM ignored: SIGKILL after the grace) and
+    start no other; rank 1's agent stops its teardown ``--exit-timeout-s`` after the host's
+    last script ended. The job and the joining host end with exit code 0, a complete summary and no
+    process left behind."""
     markers = tmp_path / "markers"
     markers.mkdir()
     events, summary = tmp_path / "events.jsonl", tmp_path / "summary.json"
     port = _free_port()
     job = [*LAUNCH, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port",
-           str(port), "--policy", "resilient", "--standbys", "2", "--stop-grace-s", "1",
+           str(port), "--policy", "resilient", "--standbys", "2", "--stop-grace-s", "1", "--exit-timeout-s", "1",
            "--refill-delay-s", "0", "--event-log", str(events), "--summary", str(summary),
            SCRIPT, "--steps", str(STEPS), "--markers", str(markers),
-           "--await", "a0.n0.r0", "--await", "a0.n1.j0"]
+           "--await", "a0.n0.r0", "--await", "a0.n1.j0", "--hang-at-exit", "1"]
     joining = [*LAUNCH, "--join", f"127.0.0.1:{port}", "--nproc-per-node", "1",
                "--host", "127.0.0.2"]
     tag = tmp_path.name
@@ -114,6 +116,7 @@ def test_a_job_ends_with_a_refill_and_a_joining_host_started_at_its_last_step(tm
     assert [e["standbys"] for e in log if e["event"] == "host_joined"] == [["a0.n1.j0"]]
     assert "stopped standby(s) a0.n0.s1, a0.n0.r0" in output
     assert "stopped standby(s) a0.n1.j0" in joined_output
+    assert "rank(s) [1] ended their script" in output
     assert not tagged_processes(tag)
 
 

@@ -25,6 +25,7 @@ from typing import Optional
 from mover_plugin.comm import CollectiveAborted
 from mover_plugin.comm.alarm import wait_for_alarm
 from mover_plugin.comm.work import blocked_waits
+from mover_plugin.processes import exit_status
 
 logger = logging.getLogger(__name__)
 
@@ -79,15 +80,12 @@ def end_of_script(end: Optional[BaseException] = None) -> None:
 
 def _exit_status(end: Optional[BaseException]) -> int:
     """The exit status Python gives a script that ended with ``end``, printing what it would."""
-    if end is None:
-        return 0
-    if not isinstance(end, SystemExit):
+    if isinstance(end, SystemExit):
+        if end.code is not None and not isinstance(end.code, int):
+            print(end.code, file=sys.stderr)
+    elif end is not None:
         sys.excepthook(type(end), end, end.__traceback__)
-        return 1
-    if end.code is None or isinstance(end.code, int):
-        return end.code or 0
-    print(end.code, file=sys.stderr)
-    return 1
+    return exit_status(end)
 
 
 def _flush_open_files() -> None:

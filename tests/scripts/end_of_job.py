@@ -3,6 +3,8 @@
 Workers (``RANK`` set) all-reduce one tensor per step, reporting their progress to the agent;
 rank 0 begins its last step only once a marker file of each standby named by ``--await``
 exists in ``--markers`` (a refill, or a joining host's standby, started at the last step).
+The rank named by ``--hang-at-exit`` leaves a thread that never ends: Python's teardown waits
+for it forever, as it would for a stuck communicator or an exchange that never completes.
 
 A standby (``MOVER_STANDBY_ID`` set) writes its marker ``<id>.started``, then:
 
@@ -19,6 +21,7 @@ its ``MOVER_TEST_TAG``.
 import argparse
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -62,6 +65,8 @@ def worker(args: argparse.Namespace) -> None:
     if rank == 0:
         print(f"STATE {state.item()}", flush=True)
     dist.destroy_process_group()
+    if rank == args.hang_at_exit:
+        threading.Thread(target=time.sleep, args=(3600.0,), name="never-ends").start()
 
 
 def await_markers(markers: Path, awaited: list[str], timeout_s: float = 120.0) -> None:
@@ -80,6 +85,8 @@ def main() -> None:
     parser.add_argument("--markers", type=Path, required=True)
     parser.add_argument("--await", dest="awaited", action="append", default=[],
                         help="a standby id whose start the last step waits for")
+    parser.add_argument("--hang-at-exit", type=int, default=-1,
+                        help="the rank whose process never ends after its script")
     args = parser.parse_args()
     standby_id = os.environ.get(STANDBY_ID_ENV)
     if standby_id is not None:
