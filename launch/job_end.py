@@ -5,18 +5,21 @@ An attempt ends in two steps (:class:`~mover_plugin.launch.context.AttemptPhase`
 * **Ending.** The first worker of the attempt that exits 0 has finished its script: the job's
   end has begun. From then on a lost rank is not replaced in place (the new generation's groups
   would wait for the finished ranks forever; :mod:`mover_plugin.launch.recovery` restarts
-  instead), so no standby has work left. This unit records ``job_ending`` and posts
-  ``wind_down``: every agent stops the processes of the attempt that hold no rank (ready
-  standbys, standbys still starting or warming up, refills) and starts none from then on. The
-  other units start nothing new either: no refill (:mod:`mover_plugin.launch.refill`), no
-  migration (a migration in phase 1 is cancelled, :mod:`mover_plugin.launch.migration`), no
-  growing back (one not switched yet is called off, :mod:`mover_plugin.launch.grow_back`), and
-  a host that asks to join is refused (:mod:`mover_plugin.launch.host_loss`). Refills still
-  starting are marked stopped in the summary.
-* **Done.** Each agent reports ``node_done`` once every rank on its host exited 0 (a host whose
-  ranks all moved away reports it at once, and ``node_busy`` when a standby promoted there takes
-  it back). Once every host in the job did, the job ends with exit code 0, the summary gets the
-  workers' statistics, and the launcher tells the agents to ``finish``.
+  instead), so no standby has work left. This unit records ``job_ending`` (the rank, the ready
+  standbys and the refills it stops) and posts ``wind_down``: every agent stops the processes
+  of the attempt that hold no rank (ready standbys, standbys still starting or warming up,
+  refills) and starts none from then on. The other units start nothing new either: no
+  refill (:mod:`mover_plugin.launch.refill`), no migration (a migration in phase 1 is
+  cancelled, :mod:`mover_plugin.launch.migration`), no growing back (one not switched yet is
+  called off, :mod:`mover_plugin.launch.grow_back`), and a host that asks to join is refused
+  (:mod:`mover_plugin.launch.host_loss`). Refills still starting are marked stopped in the
+  summary.
+* **Done.** Each agent reports ``node_done`` once every rank on its host exited 0, or ended its
+  script with status 0 (a teardown that hangs is stopped after ``--exit-timeout-s``; see
+  :mod:`mover_plugin.launch.agent`). A host whose ranks all moved away reports it at once, and
+  ``node_busy`` when a standby promoted there takes it back. Once every host in the job did,
+  the job ends with exit code 0, the summary gets the workers' statistics, and the launcher
+  tells the agents to ``finish``.
 
 A restart (a rank lost after another finished) begins a new attempt, which trains again.
 """
