@@ -8,8 +8,8 @@ the state of three lifetimes:
 * :class:`JobState` — the whole job: the nodes (and those lost), the node of each rank, which
   process holds each rank, the generation numbers and the interruption in progress;
 * :class:`AttemptState` — one start of every worker (a restart begins a new one): the
-  standbys each host started, whether it failed, what the agents reported of them, its
-  standby pool (and its target) and its rendezvous store;
+  standbys each host started, its phase (training, ending, restarting), what the agents
+  reported of them, its standby pool (and its target) and its rendezvous store;
 * :class:`GenerationState` — one membership of the running workers: when each rank reported
   ready, its first step, and that it switched to the generation.
 
@@ -105,6 +105,7 @@ class AttemptState:
     store: Optional[dist.TCPStore] = None
     """The store the attempt's workers rendezvous on (env://)."""
     phase: AttemptPhase = AttemptPhase.TRAINING
+    """Where the attempt stands: training, ending or restarting (:class:`AttemptPhase`)."""
     stopped: dict[int, list[Event]] = field(default_factory=dict)
     """Per node: the progress of each worker it stopped."""
     started: dict[int, float] = field(default_factory=dict)
@@ -262,4 +263,3 @@ class Context:
     def interrupted(self) -> bool:
         """Whether an interruption is in progress or a restart under way."""
         return self.job.interruption is not None or self.attempt.failed
-

@@ -2,11 +2,12 @@
 
 A worker started by ``mover-launch`` inherits one end of a pipe whose file descriptor is in
 ``MOVER_PROGRESS_FD`` (:data:`mover_plugin.contract.PROGRESS_FD_ENV`). At each step boundary
-the worker writes one JSON line; the agent on the same host reads them to deliver injected
-failures at a given step and to time interruptions. The agent forwards only the few events the
-controller needs (the first step of an attempt, the last step before an exit); with the
-slow-rank policy on, also one report per step for all ranks of its host with their busy times
-(``busy_s``: the step minus the rank's waits for its peers).
+(and once when its script ended, with the script's exit status) the worker writes one JSON
+line; the agent on the same host reads them to deliver injected failures at a given step and to
+time interruptions. The agent forwards only the few events the controller needs (the first step
+of an attempt, the last step before an exit); with the slow-rank policy on, also one report per
+step for all ranks of its host with their busy times (``busy_s``: the step minus the rank's
+waits for its peers).
 
 Outside ``mover-launch`` (plain ``torchrun`` or a single process) every report is a no-op.
 """
@@ -86,7 +87,7 @@ class ProgressReporter:
 
     def script_end(self, status: int) -> None:
         """The script ended with exit status ``status``: what follows is the process's
-        teardown (see :meth:`mover_plugin.launch.agent.Agent`'s bound on it)."""
+        teardown, which the agent bounds (:mod:`mover_plugin.launch.agent`)."""
         self._send(ProgressEvent(SCRIPT_END, status, time.time(), generation=self.generation))
 
     def heartbeat(self, failure_timeout_s: float) -> None:
