@@ -80,16 +80,16 @@ def test_a_job_ends_with_a_refill_and_a_joining_host_started_at_its_last_step(tm
     after its script (a thread Python's teardown waits for). The first rank to finish winds the
     job down: both agents stop their standbys (SIGTERM ignored: SIGKILL after the grace) and
     start no other; rank 1's agent stops its teardown ``--exit-timeout-s`` after the host's
-    last script ended. The job and the joining host end with exit code 0, a complete summary and no
-    process left behind."""
+    last script ended. The job and the joining host end with exit code 0, a complete summary
+    and no process left behind."""
     markers = tmp_path / "markers"
     markers.mkdir()
     events, summary = tmp_path / "events.jsonl", tmp_path / "summary.json"
     port = _free_port()
     job = [*LAUNCH, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port",
-           str(port), "--policy", "resilient", "--standbys", "2", "--stop-grace-s", "1", "--exit-timeout-s", "1",
-           "--refill-delay-s", "0", "--event-log", str(events), "--summary", str(summary),
-           SCRIPT, "--steps", str(STEPS), "--markers", str(markers),
+           str(port), "--policy", "resilient", "--standbys", "2", "--stop-grace-s", "1",
+           "--exit-timeout-s", "1", "--refill-delay-s", "0", "--event-log", str(events),
+           "--summary", str(summary), SCRIPT, "--steps", str(STEPS), "--markers", str(markers),
            "--await", "a0.n0.r0", "--await", "a0.n1.j0", "--hang-at-exit", "1"]
     joining = [*LAUNCH, "--join", f"127.0.0.1:{port}", "--nproc-per-node", "1",
                "--host", "127.0.0.2"]
@@ -118,7 +118,6 @@ def test_a_job_ends_with_a_refill_and_a_joining_host_started_at_its_last_step(tm
     assert "stopped standby(s) a0.n1.j0" in joined_output
     assert "rank(s) [1] ended their script" in output
     assert not tagged_processes(tag)
-
 
 
 ORPHAN = """
