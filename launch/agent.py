@@ -41,11 +41,9 @@ import logging
 import os
 import selectors
 import signal
-import statistics
-import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
 import torch.distributed as dist
@@ -66,6 +64,7 @@ from mover_plugin.contract import (
 from mover_plugin.launch.config import FailureInjection, MigrationInjection, NodeSpec
 from mover_plugin.launch.job_secret import JOB_SECRET_ENV, launch_secret
 from mover_plugin.launch.liveness import AgentBeat
+from mover_plugin.launch.local_process import Worker
 from mover_plugin.launch.step_times import StepBatch
 from mover_plugin.launch.store_gate import (
     CONTROL_TARGET,
@@ -76,7 +75,6 @@ from mover_plugin.launch.store_gate import (
 from mover_plugin.mailbox import Mailbox
 from mover_plugin.processes import (
     describe_exit,
-    process_cpu_s,
     signal_group,
     start_process,
     stop_processes,
@@ -89,7 +87,6 @@ from mover_plugin.progress import (
     STEP_BEGIN,
     STEP_END,
     ProgressEvent,
-    ProgressLineReader,
 )
 
 logger = logging.getLogger(__name__)
@@ -137,85 +134,6 @@ class AgentConfig:
             migrations=tuple(MigrationInjection(**i) for i in raw["migrations"]),
             report_busy=raw["report_busy"],
         )
-
-
-@dataclass
-class Worker:
-    """One worker or standby process and what the agent knows of its progress."""
-
-    rank: Optional[int]
-    """The global rank; None for a standby not promoted yet."""
-    attempt: int
-    process: subprocess.Popen
-    pipe: int
-    """The read end of the process's progress pipe (-1 once closed)."""
-    notice_pipe: int = -1
-    """The write end of the process's notice pipe (-1 once closed)."""
-    standby: Optional[str] = None
-    leaving: bool = False
-    """Handing its rank over to a promoted standby (planned migration)."""
-    reader: ProgressLineReader = field(default_factory=ProgressLineReader)
-    step_begun: int = 0
-    step_completed: int = 0
-    last_step_end: Optional[float] = None
-    last_step_duration: Optional[float] = None
-    ready_reported: bool = False
-    first_step_reported: bool = False
-    exited: bool = False
-    script_status: Optional[int] = None
-    """The exit status its script ended with, once reported (its teardown follows)."""
-    script_ended_at: Optional[float] = None
-    """When that report was read (monotonic)."""
-    last_heard: float = field(default_factory=time.monotonic)
-    hang_timeout_s: Optional[float] = None
-    step_durations: list[float] = field(default_factory=list)
-    peak_rss_mb: Optional[float] = None
-    first_cpu: Optional[tuple[int, float]] = None
-    """(step, the process's CPU seconds) when its first step end was read."""
-    last_cpu: Optional[tuple[int, float]] = None
-    """The same when its latest step end was read."""
-
-    def mark_cpu(self, step: int) -> None:
-        """Notes the process's CPU time (all its threads) at the end of ``step``."""
-        seconds = process_cpu_s(self.process.pid)
-        if seconds is not None:
-            self.last_cpu = (step, seconds)
-            self.first_cpu = self.first_cpu or self.last_cpu
-
-    def cpu_per_step_s(self) -> Optional[float]:
-        """CPU seconds per step between the first step end seen and the latest (the first
-        step, with its warm-up, excluded)."""
-        if self.first_cpu is None or self.last_cpu is None or self.last_cpu[0] <= self.first_cpu[0]:
-            return None
-        return (self.last_cpu[1] - self.first_cpu[1]) / (self.last_cpu[0] - self.first_cpu[0])
-
-    def progress_fields(self) -> dict[str, Any]:
-        return {
-            "rank": self.rank,
-            "standby": self.standby,
-            "step_begun": self.step_begun,
-            "step_completed": self.step_completed,
-            "last_step_end": self.last_step_end,
-            "last_step_duration": self.last_step_duration,
-            "median_step_s": statistics.median(self.step_durations) if self.step_durations
-            else None,
-            "peak_rss_mb": self.peak_rss_mb,
-            "cpu_per_step_s": self.cpu_per_step_s(),
-        }
-
-    def reap(self) -> bool:
-        """Collects the exit status (and peak memory) if the process has exited."""
-        if self.process.returncode is not None:
-            return True
-        try:
-            pid, status, usage = os.wait4(self.process.pid, os.WNOHANG)
-        except ChildProcessError:  # reaped elsewhere (e.g. by Popen.wait)
-            return self.process.poll() is not None
-        if pid == 0:
-            return False
-        self.process.returncode = os.waitstatus_to_exitcode(status)
-        self.peak_rss_mb = usage.ru_maxrss / 1024  # Linux reports KiB
-        return True
 
 
 class Agent:
@@ -380,12 +298,8 @@ class Agent:
         """The job is ending: every process here that holds no rank (a standby, ready or
         still starting) is stopped, and no standby starts from now on."""
         self._winding_down = True
-        standbys = [w for w in self._workers if w.rank is None]
-        running = [w for w in standbys if not w.exited]
-        stop_processes([w.process for w in running], self.config.stop_grace_s)
-        for worker in standbys:
-            self._close_pipe(worker)
-            self._workers.remove(worker)
+        running = self._forget([w for w in self._workers if w.rank is None],
+                               self.config.stop_grace_s)
         if running:
             logger.info("node %d: the job is ending; stopped standby(s) %s",
                         self.config.node.node_rank, ", ".join(str(w.standby) for w in running))
@@ -455,11 +369,8 @@ class Agent:
     def _cancel_promotion(self, standby: str, rank: int) -> None:
         """A migration that cannot happen any more: the promoted standby is stopped and the
         process that held the rank keeps it."""
-        joiners = [w for w in self._workers if w.standby == standby and w.rank == rank]
-        stop_processes([w.process for w in joiners if not w.exited], self.config.stop_grace_s)
-        for worker in joiners:
-            self._close_pipe(worker)
-            self._workers.remove(worker)
+        self._forget([w for w in self._workers if w.standby == standby and w.rank == rank],
+                     self.config.stop_grace_s)
         for worker in self._workers:
             if worker.rank == rank:
                 worker.leaving = False
@@ -468,19 +379,23 @@ class Agent:
     def _discard_leaver(self, rank: int) -> None:
         """A migration that failed in its phase 2: the process leaving ``rank`` is stopped
         (its state is taken from a data-parallel twin instead) and forgotten."""
-        leavers = [w for w in self._workers if w.rank == rank and w.leaving]
-        stop_processes([w.process for w in leavers if not w.exited], 0.0)
-        for worker in leavers:
-            self._close_pipe(worker)
-            self._workers.remove(worker)
+        self._forget([w for w in self._workers if w.rank == rank and w.leaving], 0.0)
 
     def _drop(self, ranks: list[int]) -> None:
         """The job shrank without the lost ``ranks``: their exited processes are forgotten
         (the host is done once its other workers finish)."""
-        for worker in [w for w in self._workers if w.rank in ranks and w.exited]:
+        self._forget([w for w in self._workers if w.rank in ranks and w.exited], 0.0)
+        self._report_idle_without_ranks()
+
+    def _forget(self, workers: list[Worker], grace_s: float) -> list[Worker]:
+        """Stops those of ``workers`` still running (SIGTERM, SIGKILL after ``grace_s``) and
+        stops tracking all of them; returns the ones it stopped."""
+        running = [w for w in workers if not w.exited]
+        stop_processes([w.process for w in running], grace_s)
+        for worker in workers:
             self._close_pipe(worker)
             self._workers.remove(worker)
-        self._report_idle_without_ranks()
+        return running
 
     def _worker_env(
         self, rank: Optional[int], local_rank: Optional[int], attempt: int, progress_fd: int,
@@ -627,9 +542,7 @@ class Agent:
         if not ranked and leavers and all(w.exited for w in leavers):
             # Every rank of this host moved away: nothing left to train unless one of its
             # standbys is promoted later (then ``node_busy`` takes this back).
-            for worker in leavers:
-                self._close_pipe(worker)
-                self._workers.remove(worker)
+            self._forget(leavers, 0.0)
             self._idle_reported = True
             self._post("node_done", steps_completed=None, workers=[])
             return

@@ -70,12 +70,13 @@ def stop_processes(processes: list[subprocess.Popen], grace_s: float, *,
                    exiting_s: float = 0.0) -> None:
     """Waits up to ``exiting_s`` for processes told to exit to do so by themselves, then
     SIGTERMs every group, waits up to ``grace_s``, SIGKILLs what is left, reaps all."""
-    deadline = time.monotonic() + exiting_s
-    for process in processes if exiting_s > 0 else []:
-        try:
-            process.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
+    if exiting_s > 0:
+        deadline = time.monotonic() + exiting_s
+        for process in processes:
+            try:
+                process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
     for process in processes:
         if process.poll() is None:
             signal_group(process, signal.SIGTERM)

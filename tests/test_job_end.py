@@ -25,9 +25,10 @@ import torch.distributed as dist
 
 from gpt_jobs import LAUNCH, background_job, read_events, tagged_processes
 from mover_plugin.contract import EVENTS_MAILBOX
-from mover_plugin.launch.agent import Agent, AgentConfig, Worker
+from mover_plugin.launch.agent import Agent, AgentConfig
 from mover_plugin.launch.config import NodeSpec
 from mover_plugin.launch.job_secret import JOB_SECRET_ENV
+from mover_plugin.launch.local_process import Worker
 from mover_plugin.mailbox import Mailbox
 from mover_plugin.progress import READY, STEP_BEGIN, STEP_END, ProgressEvent
 from mover_plugin.testing import run_command
