@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 import json
+from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -48,9 +51,58 @@ def test_an_unknown_or_malformed_event_is_named_with_what_is_wrong(event, proble
     assert event_problem(event) == problem
 
 
-def test_every_event_kind_names_its_fields():
-    assert "joined" in EVENTS and "switched" in EVENTS
-    assert all(isinstance(name, str) for schema in EVENTS.values() for name in schema.required)
+ROOT = Path(__file__).resolve().parents[1]
+POSTERS = ("post", "_post")
+"""The names the code posts events through: an agent's ``_post(kind, **fields)``, a worker's
+``control.post(kind, **fields)``, the step-time batcher's ``_post``, peer copy's ``post``."""
+FILLED_BY_POSTER = {"time", "generation"}
+"""Fields a poster adds when the call leaves them out."""
+
+
+def posting_sites() -> list[tuple[str, str, Optional[set[str]]]]:
+    """(where, kind, fields) for every event the package's code posts with a literal kind:
+    calls of :data:`POSTERS` and dict literals with a ``"kind"`` key; ``fields`` is None where
+    a ``**`` argument makes them unknown until run time."""
+    sites = []
+    sources = [*ROOT.joinpath("mover_plugin").rglob("*.py"), *ROOT.joinpath("launch").glob("*.py")]
+    for source in sources:
+        tree = ast.parse(source.read_text(), filename=str(source))
+        for node in ast.walk(tree):
+            where = f"{source.relative_to(ROOT)}:{getattr(node, 'lineno', 0)}"
+            if isinstance(node, ast.Call) and _called_name(node) in POSTERS and node.args \
+                    and isinstance(node.args[0], ast.Constant) \
+                    and isinstance(node.args[0].value, str):
+                names = [k.arg for k in node.keywords]
+                sites.append((where, node.args[0].value,
+                              None if None in names else set(names)))
+            elif isinstance(node, ast.Dict):
+                entries = dict(zip(node.keys, node.values))
+                kinds = [v.value for k, v in entries.items()
+                         if isinstance(k, ast.Constant) and k.value == "kind"
+                         and isinstance(v, ast.Constant) and isinstance(v.value, str)]
+                if kinds:
+                    names = {k.value for k in node.keys if isinstance(k, ast.Constant)}
+                    sites.append((where, kinds[0], None if None in node.keys else names))
+    return sites
+
+
+def _called_name(call: ast.Call) -> Optional[str]:
+    if isinstance(call.func, ast.Attribute):
+        return call.func.attr
+    return call.func.id if isinstance(call.func, ast.Name) else None
+
+
+def test_every_event_the_code_posts_is_in_the_contract_with_its_fields():
+    sites = posting_sites()
+    unknown = [(where, kind) for where, kind, _ in sites if kind not in EVENTS]
+    assert not unknown, f"posted but not in mover_plugin.contract.EVENTS: {unknown}"
+    missing = [(where, kind, sorted(set(EVENTS[kind].required) - fields - FILLED_BY_POSTER))
+               for where, kind, fields in sites if fields is not None
+               and set(EVENTS[kind].required) - fields - FILLED_BY_POSTER]
+    assert not missing, f"posted without fields the contract requires: {missing}"
+    never_posted = set(EVENTS) - {kind for _, kind, _ in sites}
+    assert not never_posted, f"in the contract but posted nowhere: {sorted(never_posted)}"
+    assert len(sites) >= len(EVENTS)
 
 
 def test_a_notice_is_one_json_line():

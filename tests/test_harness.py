@@ -2,6 +2,8 @@
 
 import multiprocessing.resource_tracker
 import os
+import re
+import sys
 import time
 from pathlib import Path
 
@@ -66,3 +68,33 @@ def test_run_command_kills_the_whole_group_on_timeout():
     with pytest.raises(RankFailure, match="did not finish within 2s"):
         run_command(["bash", "-c", "sleep 300 & sleep 300"], timeout_s=2)
     assert not _children()
+
+
+LEAVES_A_SESSION = """
+import subprocess, sys
+subprocess.Popen([sys.executable, "-c", "import time; print('left', flush=True); time.sleep(300)"],
+                 start_new_session=True)
+print("parent done", flush=True)
+"""
+
+
+def test_run_command_kills_what_the_command_left_in_other_sessions():
+    """The command exits at once, but a process it started in a session of its own keeps its
+    output open (as an agent's worker would, in its own group): the call still ends at its
+    timeout, naming that process, and kills it."""
+    started = time.monotonic()
+    with pytest.raises(RankFailure) as failure:
+        run_command([sys.executable, "-c", LEAVES_A_SESSION], timeout_s=3)
+    message = str(failure.value)
+    assert "ended with 0 but processes it started held its output open within 3s" in message
+    assert "time.sleep(300)" in message and "parent done" in message and "left" in message
+    assert time.monotonic() - started < 30
+    left = int(re.search(r"its processes then: (\d+) \(", message)[1])
+    assert not _running(left)
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except (OSError, IndexError):
+        return False

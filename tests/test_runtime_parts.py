@@ -51,9 +51,16 @@ def test_the_armed_fault_kills_its_process_with_sigkill(code):
 
 
 def test_commit_fault_without_the_switch_notice_gives_up_at_the_timeout():
+    """No switch notice within the timeout: the rank votes (the call returns, the process
+    lives), after asking for the notice until the timeout."""
     faults = FaultInjector()
     faults.arm("commit=1")
-    faults.before_vote(1, switch_requested=lambda: False, timeout_s=0.05)  # returns: no notice
+    asked = []
+    started = time.monotonic()
+    faults.before_vote(1, switch_requested=lambda: asked.append(time.monotonic()) or False,
+                       timeout_s=0.2)
+    assert asked[-1] - started >= 0.2 and len(asked) > 2
+    assert faults.fault == "commit=1"  # still armed for a later switch
 
 
 class FakeDelta:

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import time
 import traceback
+import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -124,6 +125,16 @@ class CommandResult:
         return [line for line in self.output.splitlines() if line.startswith(prefix)]
 
 
+COMMAND_ID_ENV = "MOVER_COMMAND_ID"
+"""Set by :func:`run_command` in the command's environment: every process the command starts
+inherits it, including those it starts in process groups of their own (a launcher's agents
+and workers), so all of them are found and killed when the command ends."""
+
+KILL_WAIT_S = 10.0
+"""How long :func:`run_command` waits for the pipes to close once every process of the
+command was killed."""
+
+
 def run_command(
     command: Sequence[str],
     *,
@@ -131,26 +142,71 @@ def run_command(
     env: Optional[dict[str, str]] = None,
     cwd: Optional[str] = None,
 ) -> CommandResult:
-    """Runs ``command`` in its own process group; kills the whole group on timeout or error."""
+    """Runs ``command`` in its own process group. On timeout, and in ``finally``, kills every
+    process of the command: its group and each process that inherited its
+    :data:`COMMAND_ID_ENV`, whatever group it moved to, so a process left behind can neither
+    outlive the call nor keep its output pipes open."""
     started = time.monotonic()
+    command_id = f"{os.getpid()}-{uuid.uuid4().hex}"
     process = subprocess.Popen(
-        list(command), env={**os.environ, **(env or {})}, cwd=cwd, text=True,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-        start_new_session=True, preexec_fn=parent_death_signal(signal.SIGKILL),
+        list(command), env={**os.environ, **(env or {}), COMMAND_ID_ENV: command_id},
+        cwd=cwd, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL, start_new_session=True,
+        preexec_fn=parent_death_signal(signal.SIGKILL),
     )
     try:
         stdout, stderr = process.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        signal_group(process, signal.SIGKILL)
-        stdout, stderr = process.communicate()
+        ended = process.poll()
+        left = _describe(processes_with_env(COMMAND_ID_ENV, command_id))
+        _kill_command(process, command_id)
+        stdout, stderr = _remaining_output(process)
+        what = ("did not finish" if ended is None else
+                f"ended with {ended} but processes it started held its output open")
         raise RankFailure(
-            f"{' '.join(command)} did not finish within {timeout_s:.0f}s\n"
+            f"{' '.join(command)} {what} within {timeout_s:.0f}s; its processes then: "
+            f"{left or 'none'}\n"
             f"--- stdout ---\n{stdout[-4000:]}\n--- stderr ---\n{stderr[-4000:]}"
         ) from None
     finally:
-        signal_group(process, signal.SIGKILL)
-        process.wait()
+        _kill_command(process, command_id)
     return CommandResult(process.returncode, stdout, stderr, time.monotonic() - started)
+
+
+def _describe(processes: dict[int, dict[str, str]]) -> str:
+    """``pid (command line)`` of each process, for a failure message."""
+    described = []
+    for pid in sorted(processes):
+        try:
+            line = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            line = "?"
+        described.append(f"{pid} ({line.strip()[:200]})")
+    return "; ".join(described)
+
+
+def _kill_command(process: subprocess.Popen, command_id: str) -> None:
+    """SIGKILLs the command's group and every process with its id, until none is left (one
+    being started as they are killed is found on the next pass); reaps the command."""
+    signal_group(process, signal.SIGKILL)
+    deadline = time.monotonic() + KILL_WAIT_S
+    while (left := processes_with_env(COMMAND_ID_ENV, command_id)) and \
+            time.monotonic() < deadline:
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        time.sleep(0.05)
+    process.wait()
+
+
+def _remaining_output(process: subprocess.Popen) -> tuple[str, str]:
+    """What the killed command wrote, read until its pipes close or :data:`KILL_WAIT_S`."""
+    try:
+        return process.communicate(timeout=KILL_WAIT_S)
+    except subprocess.TimeoutExpired:
+        return "", "(its output pipes stayed open after every process of it was killed)"
 
 
 def processes_with_env(name: str, value: str) -> dict[int, dict[str, str]]:
