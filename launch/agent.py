@@ -61,6 +61,7 @@ from mover_plugin.contract import (
     STANDBY_ID_ENV,
     encode_notice,
 )
+from mover_plugin.devices import free_slot
 from mover_plugin.launch.config import FailureInjection, MigrationInjection, NodeSpec
 from mover_plugin.launch.job_secret import JOB_SECRET_ENV, launch_secret
 from mover_plugin.launch.liveness import AgentBeat
@@ -114,6 +115,8 @@ class AgentConfig:
     migrations: tuple[MigrationInjection, ...] = ()
     report_busy: bool = False
     """Send the controller each step's busy times of this host's ranks (slow-rank policy)."""
+    gpus: int = 0
+    """This host's GPUs, one per process (0: none; :mod:`mover_plugin.devices`)."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -133,6 +136,7 @@ class AgentConfig:
             exit_timeout_s=raw["exit_timeout_s"],
             migrations=tuple(MigrationInjection(**i) for i in raw["migrations"]),
             report_busy=raw["report_busy"],
+            gpus=raw["gpus"],
         )
 
 
@@ -257,7 +261,7 @@ class Agent:
             self._spawn(rank, local_rank)
         standbys = self.config.standbys - (len(ranks) if node.spare else 0)
         for index in range(standbys):
-            self._spawn(None, None, standby=f"a{attempt}.n{node.node_rank}.s{index}")
+            self._spawn_standby(f"a{attempt}.n{node.node_rank}.s{index}")
         self._post("started", pids={w.rank: w.process.pid for w in self._workers
                                     if w.rank is not None})
         if not ranks:
@@ -286,12 +290,19 @@ class Agent:
                         self.config.node.node_rank, command["standby"])
 
     def _spawn_standby(self, standby: str) -> bool:
-        """Starts standby ``standby``, unless the job is ending; returns whether it did."""
+        """Starts standby ``standby`` on the lowest slot no live process here holds, unless
+        the job is ending or every GPU is held; returns whether it did."""
+        node = self.config.node.node_rank
         if self._winding_down:
-            logger.info("node %d: standby %s not started: the job is ending",
-                        self.config.node.node_rank, standby)
+            logger.info("node %d: standby %s not started: the job is ending", node, standby)
             return False
-        self._spawn(None, None, standby=standby)
+        slot = free_slot((w.slot for w in self._workers if w.alive()), self.config.gpus)
+        if slot is None:
+            how = f"not started: each of the host's {self.config.gpus} GPUs is held"
+            logger.error("node %d: standby %s %s", node, standby, how)
+            self._post("standby_exit", standby=standby, returncode=1, how=how)
+            return False
+        self._spawn(None, slot, standby=standby)
         return True
 
     def _wind_down(self) -> None:
@@ -304,12 +315,12 @@ class Agent:
             logger.info("node %d: the job is ending; stopped standby(s) %s",
                         self.config.node.node_rank, ", ".join(str(w.standby) for w in running))
 
-    def _spawn(self, rank: Optional[int], local_rank: Optional[int],
-               standby: Optional[str] = None) -> None:
-        """Starts a worker (or, with ``standby``, a standby) with a progress pipe; tracks it."""
+    def _spawn(self, rank: Optional[int], slot: int, standby: Optional[str] = None) -> None:
+        """Starts a worker (or, with ``standby``, a standby) on ``slot`` with a progress pipe;
+        tracks it."""
         read_fd, write_fd = os.pipe()
         notice_read, notice_write = os.pipe()
-        env = self._worker_env(rank, local_rank, self._attempt, write_fd)
+        env = self._worker_env(rank, slot, self._attempt, write_fd)
         env[NOTICE_FD_ENV] = str(notice_read)
         if standby is not None:
             env[STANDBY_ID_ENV] = standby
@@ -319,7 +330,8 @@ class Agent:
         os.close(notice_read)
         os.set_blocking(read_fd, False)
         os.set_blocking(notice_write, False)
-        worker = Worker(rank, self._attempt, process, read_fd, notice_write, standby=standby)
+        worker = Worker(rank, self._attempt, process, read_fd, notice_write, standby=standby,
+                        slot=slot)
         self._selector.register(read_fd, selectors.EVENT_READ, worker)
         self._workers.append(worker)
 
@@ -397,18 +409,19 @@ class Agent:
             self._workers.remove(worker)
         return running
 
-    def _worker_env(
-        self, rank: Optional[int], local_rank: Optional[int], attempt: int, progress_fd: int,
-    ) -> dict[str, str]:
+    def _worker_env(self, rank: Optional[int], slot: int, attempt: int,
+                    progress_fd: int) -> dict[str, str]:
+        """A worker's environment (torchrun's variables), or without ``rank`` a standby's: the
+        same but ``RANK``, which its promotion sets."""
         node = self.config.node
         env = dict(os.environ)
         env.pop(JOB_SECRET_ENV, None)  # workers reach the stores through this host's relay
         env.setdefault("OMP_NUM_THREADS", "1")
-        for name in ("RANK", "LOCAL_RANK"):
-            env.pop(name, None)
+        env.pop("RANK", None)
         if rank is not None:
-            env.update(RANK=str(rank), LOCAL_RANK=str(local_rank))
+            env["RANK"] = str(rank)
         env.update(
+            LOCAL_RANK=str(slot),
             WORLD_SIZE=str(self.config.world_size),
             LOCAL_WORLD_SIZE=str(node.local_world_size),
             GROUP_RANK=str(node.node_rank),

@@ -17,6 +17,12 @@ import socket
 from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence, Union
 
+from mover_plugin.devices import (
+    HostGpus,
+    check_host_fits,
+    driver_gpu_count,
+    gpus_on_host,
+)
 from mover_plugin.errors import ConfigError
 from mover_plugin.runtime.settings import ResilienceSettings
 from mover_plugin.launch.hostfile import HostEntry, is_local_host, parse_hostfile
@@ -123,6 +129,9 @@ class LaunchConfig:
     """JSON-lines event log of the controller."""
     standbys: int = 0
     """Standby processes per worker host (resilient policy); a spare host runs one per slot."""
+    gpus: int = 0
+    """GPUs of this host the job may use, one per process (0: none, any number of processes;
+    :mod:`mover_plugin.devices`)."""
     slow_rank_factor: Optional[float] = None
     """Migrate a rank whose busy time stays above this multiple of the median (None: off)."""
     slow_rank_steps: int = 5
@@ -182,13 +191,16 @@ class JoinConfig:
     host: str
     slots: int
     join_timeout_s: float
+    gpus: int = 0
+    """This host's GPUs (:attr:`LaunchConfig.gpus`)."""
 
 
-JOIN_FLAGS = ("join", "host", "nproc_per_node", "join_timeout_s")
+JOIN_FLAGS = ("join", "host", "nproc_per_node", "gpus_per_node", "join_timeout_s")
 """The flags a joining host takes; every other one is the job's, set on its first host."""
 
 
-def _join_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> JoinConfig:
+def _join_config(args: argparse.Namespace, parser: argparse.ArgumentParser,
+                 environ: Mapping[str, str]) -> JoinConfig:
     given = [action for action in parser._actions  # noqa: SLF001 - argparse has no public list
              if action.dest not in (*JOIN_FLAGS, "help")
              and getattr(args, action.dest) != action.default
@@ -198,11 +210,14 @@ def _join_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> J
         name = action.option_strings[0] if action.option_strings else repr(args.script)
         raise ConfigError(
             f"--join {args.join[0]}:{args.join[1]} takes the job's script and settings from its "
-            f"controller: drop {name} (a joining host takes only --nproc-per-node, --host and "
-            "--join-timeout-s)")
+            f"controller: drop {name} (a joining host takes only --nproc-per-node, --host, "
+            "--gpus-per-node and --join-timeout-s)")
     addr, port = args.join
-    return JoinConfig(master_addr=addr, master_port=port, host=args.host or socket.gethostname(),
-                      slots=args.nproc_per_node or 1, join_timeout_s=args.join_timeout_s)
+    host, slots = args.host or socket.gethostname(), args.nproc_per_node or 1
+    gpus = gpus_on_host(args.gpus_per_node, environ, driver_gpu_count)
+    check_host_fits(host, 0, slots, gpus)
+    return JoinConfig(master_addr=addr, master_port=port, host=host, slots=slots,
+                      join_timeout_s=args.join_timeout_s, gpus=gpus.count)
 
 
 def _address_argument(text: str) -> tuple[str, int]:
@@ -252,6 +267,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--standbys", type=non_negative_int, default=None,
         help="Standby processes per worker host (resilient policy; default 1, or the DeepSpeed "
         "config's \"resilience.standbys\").")
+    add("--gpus-per-node", dest="gpus_per_node", type=non_negative_int, default=None,
+        metavar="N", help="GPUs of each host the job may use: every worker and every standby "
+        "owns one (default: the entries of CUDA_VISIBLE_DEVICES, else the driver's count; "
+        "without GPUs, any number of processes).")
     add("--spare-hosts", dest="spare_hosts", type=non_negative_int, default=0, metavar="K",
         help="The last K hosts of the job are spare hosts: each runs one standby per slot and "
         "no worker, and recovery and migration take their standbys first (resilient policy; "
@@ -323,8 +342,9 @@ def parse_launch_args(argv: Sequence[str], python: str,
     process's environment) when it runs in a Slurm job step (:mod:`mover_plugin.launch.slurm`)."""
     parser = build_parser()
     args = parser.parse_args(list(argv))
+    environ = environ if environ is not None else os.environ
     if args.join is not None:
-        return _join_config(args, parser)
+        return _join_config(args, parser, environ)
     if args.host is not None:
         raise ConfigError(f"--host {args.host} names a host that joins a running job: it goes "
                           "with --join ADDR:PORT (the job's hosts come from --hostfile)")
@@ -333,7 +353,7 @@ def parse_launch_args(argv: Sequence[str], python: str,
                           "[script flags] (or --join ADDR:PORT to add this host to a running "
                           "job)")
     _apply_deepspeed_block(args)
-    slurm = _slurm_allocation(args, environ if environ is not None else os.environ)
+    slurm = _slurm_allocation(args, environ)
     if slurm is not None:
         nodes = _nodes_of_allocation(args, slurm)
         local, runs_controller = (slurm.node_rank,), slurm.node_rank == 0
@@ -346,6 +366,7 @@ def parse_launch_args(argv: Sequence[str], python: str,
         master_port = _master_port(args, nodes, local)
     world_size = sum(node.nproc for node in nodes)
     standbys = _standbys(args)
+    gpus = _local_gpus(args, environ, [nodes[n] for n in local], standbys)
     for flag, injections in (("--inject-failure", args.inject_failure),
                              ("--inject-migration", args.inject_migration)):
         for injection in injections:
@@ -379,6 +400,7 @@ def parse_launch_args(argv: Sequence[str], python: str,
         summary_path=args.summary,
         event_log_path=args.event_log,
         standbys=standbys,
+        gpus=gpus.count,
         slow_rank_factor=args.slow_rank_factor,
         slow_rank_steps=args.slow_rank_steps or 5,
         stop_grace_s=args.stop_grace_s,
@@ -523,6 +545,16 @@ def _apply_deepspeed_block(args: argparse.Namespace) -> None:
                           f"config {path} (the workers run the resilience runtime only then)")
     if enabled and args.standbys is None:
         args.standbys = block.standbys
+
+
+def _local_gpus(args: argparse.Namespace, environ: Mapping[str, str],
+                local: list[NodeSpec], standbys: int) -> HostGpus:
+    """This host's GPUs, once every local host's workers and standbys are known to fit."""
+    gpus = gpus_on_host(args.gpus_per_node, environ, driver_gpu_count)
+    for node in local:
+        check_host_fits(node.host, node.nproc, node.spare_slots if node.spare else standbys,
+                        gpus)
+    return gpus
 
 
 def _standbys(args: argparse.Namespace) -> int:

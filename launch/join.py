@@ -16,8 +16,9 @@ token of its own) and waits for the controller's answer, a command that carries 
   there); ``mover-launch`` says why and exits 1.
 
 The job's script and settings thus stay the first host's: a joining host names only its slots
-(``--nproc-per-node``), its name (``--host``) and how long to wait (``--join-timeout-s``). It
-needs the job's secret (:mod:`mover_plugin.launch.job_secret`): ``MOVER_JOB_SECRET``, or on the
+(``--nproc-per-node``), its name (``--host``), its GPUs (``--gpus-per-node``, by default
+counted here) and how long to wait (``--join-timeout-s``). It needs the job's secret
+(:mod:`mover_plugin.launch.job_secret`): ``MOVER_JOB_SECRET``, or on the
 job's first host the job's secret file.
 """
 
@@ -64,7 +65,7 @@ def run_joining_host(config: JoinConfig) -> int:
                         master_addr=config.master_addr, master_port=config.master_port,
                         command=tuple(answer["command"]), stop_grace_s=answer["stop_grace_s"],
                         exit_timeout_s=answer["exit_timeout_s"], standbys=answer["standbys"],
-                        report_busy=answer["report_busy"])
+                        report_busy=answer["report_busy"], gpus=config.gpus)
     return Agent(agent, store, relay).run()
 
 

@@ -31,6 +31,8 @@ class Worker:
     notice_pipe: int = -1
     """The write end of the process's notice pipe (-1 once closed)."""
     standby: Optional[str] = None
+    slot: int = 0
+    """Its slot on the host, seen as ``LOCAL_RANK``: its GPU (:mod:`mover_plugin.devices`)."""
     leaving: bool = False
     """Handing its rank over to a promoted standby (planned migration)."""
     reader: ProgressLineReader = field(default_factory=ProgressLineReader)
@@ -81,6 +83,17 @@ class Worker:
             "peak_rss_mb": self.peak_rss_mb,
             "cpu_per_step_s": self.cpu_per_step_s(),
         }
+
+    def alive(self) -> bool:
+        """Whether the process still runs; one that exited is left for :meth:`reap` to
+        collect."""
+        if self.exited or self.process.returncode is not None:
+            return False
+        try:
+            flags = os.WEXITED | os.WNOHANG | os.WNOWAIT
+            return os.waitid(os.P_PID, self.process.pid, flags) is None
+        except ChildProcessError:  # reaped elsewhere
+            return self.process.poll() is None
 
     def reap(self) -> bool:
         """Collects the exit status (and peak memory) if the process has exited."""

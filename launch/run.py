@@ -5,8 +5,9 @@ Every worker of ``mover-launch`` runs its script through this module. It runs th
 ``python SCRIPT ARGS`` would (``__main__``, ``sys.argv``, the script's folder first on
 ``sys.path``), after arranging that, when the script first imports a framework that
 mover_plugin drives, mover_plugin's part is put in place around that import. Today that is
-Megatron: before ``megatron.core``, the stand-ins for triton when it is not installed; after
-Megatron-LM's ``megatron.training``, its CPU stand-ins and hooks
+torch: right after it, the process's GPU becomes its current device
+(:mod:`mover_plugin.devices`). Megatron: before ``megatron.core``, the stand-ins for triton
+when it is not installed; after Megatron-LM's ``megatron.training``, its CPU stand-ins and hooks
 (:mod:`mover_plugin.megatron.training_loop`). DeepSpeed: after ``deepspeed``, its CPU patches
 on a machine without CUDA and, for a script whose DeepSpeed config enables a ``"resilience"``
 block, the drop-in's hooks (:mod:`mover_plugin.deepspeed.drop_in`). A script that
@@ -120,9 +121,21 @@ def _after_deepspeed() -> None:
     after_deepspeed_import()
 
 
+def _bind_device() -> None:
+    from mover_plugin.devices import bind_device
+
+    bind_device()
+
+
 def install_framework_hooks() -> None:
-    """Arranges mover_plugin's part around the frameworks this module knows: Megatron
-    (``megatron.core``, then Megatron-LM's ``megatron.training``) and DeepSpeed."""
+    """Arranges mover_plugin's part around the frameworks this module knows: the process's
+    GPU (its ``LOCAL_RANK``) made current as soon as torch is imported, before the script
+    builds anything on a device (:mod:`mover_plugin.devices`); Megatron (``megatron.core``,
+    then Megatron-LM's ``megatron.training``) and DeepSpeed."""
+    if "torch" in sys.modules:
+        _bind_device()
+    else:
+        FirstImportHook("torch", _nothing, _bind_device).install()
     FirstImportHook("megatron.core", _before_megatron, _nothing).install()
     FirstImportHook("megatron.training", _nothing, _after_megatron_training).install()
     FirstImportHook("deepspeed", _nothing, _after_deepspeed).install()

@@ -16,6 +16,9 @@
   leaves its timers started, and the next call fails with "timer has already been started";
   the engine's timers are reset when ``train_batch`` raises.
 
+The last three are not about the CPU: they also form the ``deepspeed-resilience`` group, which
+a resilient job applies on GPUs.
+
 The ``deepspeed-local-collectives`` group complements ``local-collectives`` for a joining
 standby's build and the forward that shapes its catch-up's stand-in outputs: DeepSpeed's torch
 backend keeps its own references to ``all_gather_into_tensor`` and ``reduce_scatter_tensor``,
@@ -35,6 +38,8 @@ from mover_plugin.patches.local_collectives import _gather_into_tensor_locally, 
 from mover_plugin.patches.registry import AttributeSwap, Patch, Undo, register_patch
 
 GROUP = "deepspeed-cpu"
+RESILIENCE_GROUP = "deepspeed-resilience"
+"""The patches of :data:`GROUP` a resilient job needs on any device (all but ``no-shm-op``)."""
 LOCAL_COLLECTIVES_GROUP = "deepspeed-local-collectives"
 TESTED_VERSIONS = ">=0.19.8,<0.20"
 
@@ -121,17 +126,18 @@ def _apply_local_trace_checks() -> Undo:
     return swap.restore
 
 
-for _name, _description, _apply in (
+for _name, _description, _apply, _groups in (
     ("no-shm-op", "DeepSpeed's torch backend skips building its shared-memory op",
-     _apply_no_shm_op),
-    ("local-rank", "LOCAL_RANK defaults to 0 for PipelineModule", _apply_local_rank),
+     _apply_no_shm_op, (GROUP,)),
+    ("local-rank", "LOCAL_RANK defaults to 0 for PipelineModule", _apply_local_rank,
+     (GROUP, RESILIENCE_GROUP)),
     ("subgroup-timeout", "DeepSpeed's subgroups get the default group's timeout",
-     _apply_subgroup_timeout),
+     _apply_subgroup_timeout, (GROUP, RESILIENCE_GROUP)),
     ("reentrant-train-batch", "a train_batch that raised resets the engine's timers",
-     _apply_reentrant_train_batch),
+     _apply_reentrant_train_batch, (GROUP, RESILIENCE_GROUP)),
 ):
     register_patch(Patch(name=_name, distribution="deepspeed", tested_versions=TESTED_VERSIONS,
-                         description=_description, apply=_apply, groups=(GROUP,)))
+                         description=_description, apply=_apply, groups=_groups))
 
 for _name, _description, _apply in (
     ("deepspeed-local-backend-functions",

@@ -161,6 +161,12 @@ def test_the_deepspeed_patches_apply_and_revert():
         assert PipelineEngine.train_batch is not originals[2]
     assert (backend.build_shm_op, backend.TorchBackend.new_group,
             PipelineEngine.train_batch) == originals
+    # On GPUs a resilient job applies those not about the CPU: no shared-memory op skipped.
+    with apply_patches("deepspeed-resilience") as applied:
+        assert applied.names == ("local-rank", "subgroup-timeout", "reentrant-train-batch")
+        assert backend.build_shm_op is originals[0]
+        assert PipelineEngine.train_batch is not originals[2]
+    assert PipelineEngine.train_batch is originals[2]
 
 
 def test_the_fp16_loss_scale_is_captured_and_restored_whole():

@@ -119,6 +119,11 @@ def test_a_job_ends_with_a_refill_and_a_joining_host_started_at_its_last_step(tm
     assert "stopped standby(s) a0.n1.j0" in joined_output
     assert "rank(s) [1] ended their script" in output
     assert not tagged_processes(tag)
+    # Each standby's slot (its GPU on a host with GPUs): after the workers' 0 and 1 on the
+    # first host; the refill takes the slot a0.n0.s0 freed; the joining host's from 0.
+    slots = {path.name.removesuffix(".started"): int(path.read_text())
+             for path in markers.glob("*.started")}
+    assert slots == {"a0.n0.s0": 2, "a0.n0.s1": 3, "a0.n0.r0": 2, "a0.n1.j0": 0}
 
 
 ORPHAN = """

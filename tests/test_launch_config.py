@@ -195,7 +195,7 @@ def test_injection_forms():
         (["--join", "10.0.0.1:29500", "t.py"], "--join 10.0.0.1:29500 takes the job's script "
          "and settings from its controller: drop 't.py'"),
         (["--join", "10.0.0.1:29500", "--standbys", "2"], "drop --standbys (a joining host "
-         "takes only --nproc-per-node, --host and --join-timeout-s)"),
+         "takes only --nproc-per-node, --host, --gpus-per-node and --join-timeout-s)"),
         (["--host", "h4", "t.py"], "--host h4 names a host that joins a running job"),
     ],
 )

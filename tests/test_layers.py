@@ -17,7 +17,7 @@ SOURCES = {"mover_plugin": ROOT / "mover_plugin", "mover_plugin.launch": ROOT / 
 """Each installed package and the folder it is installed from (see setup.py)."""
 
 LAYERS = (
-    ("launch", ("mover_plugin.launch",)),
+    ("launch", ("mover_plugin.launch", "mover_plugin.gpu_check")),
     ("adapters", ("mover_plugin.megatron", "mover_plugin.deepspeed")),
     ("runtime", ("mover_plugin.runtime",)),
     ("comm", ("mover_plugin.comm",)),

@@ -18,6 +18,8 @@ in the same process. This package provides:
   a replaced rank (delta communicators) and registered with c10d in the old ones' place;
 - :mod:`~mover_plugin.comm.sandbox` — the ``mover_sandbox`` backend, groups that talk to no
   one, in which a standby warms up.
+- :mod:`~mover_plugin.comm.nccl_env` — the NCCL environment ``register_backend()`` sets, so
+  that NCCL's watchdog ends no survivor of a peer's loss;
 - :mod:`~mover_plugin.comm.context` — the package's process-wide state (the alarm, the waiter
   pool, the retired backends, the live groups, the sandbox's counters) in one object.
 

@@ -28,6 +28,7 @@ import torch.distributed.distributed_c10d as c10d
 
 from mover_plugin.comm import forked_children, retired
 from mover_plugin.comm.context import default_context
+from mover_plugin.comm.nccl_env import set_resilient_nccl_env
 from mover_plugin.comm.process_group import BACKEND_NAME, MoverProcessGroup
 from mover_plugin.comm.world import WorldGroup, WorldOptions, group_members
 
@@ -46,6 +47,7 @@ def register_backend() -> str:
     device, it is used only where asked for by name (or inherited by ``new_group``).
     """
     forked_children.install()  # a data loader's forked workers must not hold its connections
+    set_resilient_nccl_env()  # before any NCCL communicator of the process, the job's too
     return register_plugin(BACKEND_NAME, _create_group)
 
 

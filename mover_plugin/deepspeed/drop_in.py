@@ -2,8 +2,9 @@
 
 ``mover-launch`` runs every worker's script through :mod:`mover_plugin.launch.run`. When the
 script imports ``deepspeed``, :func:`after_deepspeed_import` applies the ``deepspeed-cpu``
-patches on a machine without CUDA and, when the script's ``--deepspeed_config`` holds an enabled
-``"resilience"`` block and the process runs under ``mover-launch``, installs a :class:`DropIn`
+patches on a machine without CUDA (with CUDA, a resilient job's ``deepspeed-resilience``) and,
+when the script's ``--deepspeed_config`` holds an enabled ``"resilience"`` block and the
+process runs under ``mover-launch``, installs a :class:`DropIn`
 at DeepSpeed's hook points (:mod:`mover_plugin.patches.deepspeed_hooks`). The drop-in drives
 the same runtime as a script written against the API
 (:class:`~mover_plugin.deepspeed.resilience.DeepSpeedResilience`) from DeepSpeed's own calls:
@@ -80,10 +81,13 @@ torch.distributed (the engine's own are not run)."""
 
 def after_deepspeed_import() -> None:
     """What the worker command arranges once the script imported ``deepspeed``."""
+    block = _resilience_block(sys.argv[1:])
+    resilient = block is not None and block.enabled and bool(os.environ.get(CONTROL_ADDR_ENV))
     if not torch.cuda.is_available():
         apply_inactive_patches("deepspeed-cpu")
-    block = _resilience_block(sys.argv[1:])
-    if block is not None and block.enabled and os.environ.get(CONTROL_ADDR_ENV):
+    elif resilient:
+        apply_inactive_patches("deepspeed-resilience")
+    if resilient:
         DropIn.installed = DropIn(block)
         install_hooks(DropIn.installed)
 

@@ -369,7 +369,9 @@ class DeepSpeedResilience:
                     "torch": torch.get_rng_state(), "counters": counters(self._engine),
                     "loss_scale": loss_scale_state(self._engine)}
         if torch.cuda.is_available():
-            snapshot["cuda"] = torch.cuda.get_rng_state_all()
+            # The current device's generator only: a joiner that restores it may own another
+            # device index than the rank it takes over.
+            snapshot["cuda"] = torch.cuda.get_rng_state()
         return snapshot
 
     def restore_snapshot(self, snapshot: dict[str, Any]) -> None:
@@ -377,7 +379,7 @@ class DeepSpeedResilience:
         np.random.set_state(snapshot["numpy"])
         torch.set_rng_state(snapshot["torch"])
         if "cuda" in snapshot:
-            torch.cuda.set_rng_state_all(snapshot["cuda"])
+            torch.cuda.set_rng_state(snapshot["cuda"])
         restore_counters(self._engine, snapshot["counters"])
         restore_loss_scale_state(self._engine, snapshot["loss_scale"])
 

@@ -58,15 +58,21 @@ class ShardId:
 
 
 def capture_rng_state() -> dict[str, Any]:
-    """This rank's RNG states, Megatron's model-parallel tracker included."""
+    """This rank's RNG states, Megatron's model-parallel tracker included, and with CUDA the
+    default generator of the rank's device (dropout outside the tracker draws from it: the
+    embedding's and the hidden states' without sequence parallelism). The current device's
+    only: the process that restores it, a joiner perhaps, may own another device index."""
     from megatron.core import tensor_parallel
 
-    return {
+    state = {
         "random": random.getstate(),
         "numpy": np.random.get_state(),
         "torch": torch.get_rng_state(),
         "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
     }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
 
 
 def restore_rng_state(state: dict[str, Any]) -> None:
@@ -79,6 +85,8 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["random"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"])
     tensor_parallel.get_cuda_rng_tracker().set_states(
         {name: rng.clone() for name, rng in state["tracker"].items()})
 

@@ -6,7 +6,8 @@ exists in ``--markers`` (a refill, or a joining host's standby, started at the l
 The rank named by ``--hang-at-exit`` leaves a thread that never ends: Python's teardown waits
 for it forever, as it would for a stuck communicator or an exchange that never completes.
 
-A standby (``MOVER_STANDBY_ID`` set) writes its marker ``<id>.started``, then:
+A standby (``MOVER_STANDBY_ID`` set) writes its marker ``<id>.started``, holding its slot on
+the host (its ``LOCAL_RANK``), then:
 
 * the first standby of the first host (``a0.n0.s0``) reports ready and exits 1 — a ready
   standby lost, which the pool replaces with a refill;
@@ -30,7 +31,7 @@ from mover_plugin.progress import ProgressReporter
 
 
 def standby(standby_id: str, markers: Path) -> None:
-    (markers / f"{standby_id}.started").touch()
+    (markers / f"{standby_id}.started").write_text(os.environ["LOCAL_RANK"])
     progress = ProgressReporter.from_env()
     if standby_id == "a0.n0.s0":
         progress.standby_ready()
