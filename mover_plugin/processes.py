@@ -24,15 +24,22 @@ def parent_death_signal(sig: int) -> Callable[[], None]:
     """Returns a ``preexec_fn`` that makes the child receive ``sig`` when its parent dies.
     Run as a ``preexec_fn``, it also covers a parent that died between the fork and the call
     (the kernel signals only a death after it): the child then gets ``sig`` at once. Called in
-    the process that made it (a child arming itself), it arms that process."""
+    the process that made it (a child arming itself), it arms that process.
+
+    ``prctl`` is looked up here, in the parent: between the fork and the exec the child runs
+    only the looked-up C function and three system calls. A lookup there (``dlopen``) could
+    wait forever for a lock another thread of the parent held at the fork, leaving a child
+    that holds the parent's pipes, in a session of its own, with no parent-death signal."""
     parent = os.getpid()
+    try:
+        prctl: Optional[Callable[..., int]] = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux: the child is still stopped by group
+        prctl = None
 
     def preexec() -> None:
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
-        except (OSError, AttributeError):  # not Linux: the child is still stopped by group
+        if prctl is None:
             return
+        prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
         if os.getpid() != parent and os.getppid() != parent:
             os.kill(os.getpid(), sig)
 
