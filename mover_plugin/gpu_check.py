@@ -22,6 +22,9 @@ The checks (GPUs needed):
   down; the times of each.
 - ``rng_redo`` (1): Megatron's RNG snapshot (:func:`mover_plugin.megatron.checkpoint
   .capture_rng_state`) restores CUDA dropout: a redone forward equals the first.
+- ``handover`` (1): a rank's state handed from one process to another (:mod:`mover_plugin
+  .runtime.handover`): a GPU tensor, a host tensor and an object holding a GPU tensor, which
+  lands on the joiner's own device (with two GPUs or more, another index than the source's).
 - ``peer_loss`` (2): one rank of a two-rank ``mover`` group is SIGKILLed while the other waits
   in an all-reduce on CUDA tensors; the alarm comes 2 s later. The survivor must live, leave
   the collective, and synchronise its device; the times, ``pending_operations()`` and
@@ -168,6 +171,11 @@ def check_rng_redo(gpus: int) -> Outcome:
     return _from_child(result)
 
 
+def check_handover(gpus: int) -> Outcome:
+    joiner = _run_ranks("handover", 2)[1]
+    return _from_child(joiner)
+
+
 def check_peer_loss(gpus: int) -> Outcome:
     survivor = _run_ranks("peer_loss", 2)[0]
     return _from_child(survivor)
@@ -189,6 +197,7 @@ CHECKS = (
     Check("device_binding", 1, check_device_binding),
     Check("nccl_group", 1, check_nccl_group),
     Check("rng_redo", 1, check_rng_redo),
+    Check("handover", 1, check_handover),
     Check("peer_loss", 2, check_peer_loss),
     Check("batch_p2p", 2, check_batch_p2p),
 )
@@ -231,7 +240,7 @@ def _results(processes: list[subprocess.Popen]) -> list[dict[str, Any]]:
 def _child(name: str, rank: int, world: int, port: int) -> int:
     import torch
 
-    torch.cuda.set_device(rank)
+    torch.cuda.set_device(rank % torch.cuda.device_count())
     try:
         status, detail = CHILDREN[name](rank, world, port)
     except Exception as error:  # noqa: BLE001 - reported as the check's failure
@@ -296,6 +305,36 @@ def _child_rng_redo(rank: int, world: int, port: int) -> tuple[str, str]:
             f"snapshot holds cuda {'cuda' in snapshot}")
 
 
+def _child_handover(rank: int, world: int, port: int) -> tuple[str, str]:
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from mover_plugin.runtime.handover import open_handover, receive_state, send_state
+
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+    group = open_handover(store, 0, 0, source=rank == 0, timeout=timedelta(seconds=60))
+    shard = torch.full((1 << 20,), float(1 - rank), device="cuda")
+    copy = torch.full((1 << 10,), float(1 - rank))  # a peer's copy, on the host
+    began = time.monotonic()
+    if rank == 0:
+        send_state(group, [shard, copy], {"exp_avg": torch.full((8,), 3.0, device="cuda")})
+        group.shutdown()
+        return "PASS", "sent"
+    state = receive_state(group, [shard, copy])
+    took = time.monotonic() - began
+    group.shutdown()
+    exp_avg = state["exp_avg"]
+    ok = (bool(torch.all(shard == 1.0)) and bool(torch.all(copy == 1.0))
+          and exp_avg.device == torch.device("cuda", torch.cuda.current_device())
+          and bool(torch.all(exp_avg == 3.0)))
+    return ("PASS" if ok else "FAIL",
+            f"4 MB on the GPU and 4 KB on the host in {took * 1e3:.1f} ms; the state's tensor "
+            f"on {exp_avg.device} (joiner's current cuda:{torch.cuda.current_device()}); "
+            f"values {'right' if ok else 'wrong'}")
+
+
 def _child_peer_loss(rank: int, world: int, port: int) -> tuple[str, str]:
     import torch
     import torch.distributed as dist
@@ -353,6 +392,7 @@ def _child_batch_p2p(rank: int, world: int, port: int) -> tuple[str, str]:
 CHILDREN: dict[str, Callable[[int, int, int], tuple[str, str]]] = {
     "nccl_group": _child_nccl_group,
     "rng_redo": _child_rng_redo,
+    "handover": _child_handover,
     "peer_loss": _child_peer_loss,
     "batch_p2p": _child_batch_p2p,
 }
