@@ -701,3 +701,31 @@ def _run_in_child(code: str) -> subprocess.CompletedProcess:
                             timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
+
+
+# --- the mover-comm group (torch's own functions on the mover backend's groups) ---------------
+
+
+_MOVER_COMM_CHECK = """
+import torch.distributed as dist, torch.distributed.distributed_c10d as c10d
+from mover_plugin.patches import active_patches, apply_patches
+original = dist.batch_isend_irecv
+applied = apply_patches("mover-comm")
+assert applied.names == ("batch-p2p",), applied.names
+assert dist.batch_isend_irecv is c10d.batch_isend_irecv is not original
+assert dist.batch_isend_irecv.__wrapped__ is original
+applied.revert()
+assert dist.batch_isend_irecv is original and c10d.batch_isend_irecv is original
+from mover_plugin.comm import register_backend
+register_backend()
+print("ACTIVE", ",".join(active_patches()))
+"""
+
+
+def test_batch_p2p_patch_applies_reverts_and_comes_with_the_backend() -> None:
+    """In a fresh process; what the patched function does is tested in tests/test_comm.py (a
+    mover group's batch is one work of its own)."""
+    result = subprocess.run([sys.executable, "-c", _MOVER_COMM_CHECK], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "ACTIVE batch-p2p"

@@ -31,6 +31,8 @@ from mover_plugin.comm.context import default_context
 from mover_plugin.comm.nccl_env import set_resilient_nccl_env
 from mover_plugin.comm.process_group import BACKEND_NAME, MoverProcessGroup
 from mover_plugin.comm.world import WorldGroup, WorldOptions, group_members
+from mover_plugin.patches import apply_inactive_patches
+from mover_plugin.patches.mover_comm import GROUP as MOVER_COMM
 
 logger = logging.getLogger(__name__)
 
@@ -44,10 +46,14 @@ def register_backend() -> str:
     """Registers the ``mover`` backend with c10d (idempotent); returns its name.
 
     The backend is declared for ``cpu`` and ``cuda``; it never becomes the default backend of a
-    device, it is used only where asked for by name (or inherited by ``new_group``).
+    device, it is used only where asked for by name (or inherited by ``new_group``). The process
+    also gets the NCCL environment a survivor needs (:mod:`~mover_plugin.comm.nccl_env`) and
+    the ``mover-comm`` patches (:mod:`mover_plugin.patches.mover_comm`: ``batch_isend_irecv``
+    batches on a ``mover`` group).
     """
     forked_children.install()  # a data loader's forked workers must not hold its connections
     set_resilient_nccl_env()  # before any NCCL communicator of the process, the job's too
+    apply_inactive_patches(MOVER_COMM)  # batch_isend_irecv batches on a mover group
     return register_plugin(BACKEND_NAME, _create_group)
 
 

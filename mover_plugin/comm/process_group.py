@@ -579,10 +579,35 @@ class MoverProcessGroup(NamedProcessGroup):
         return self._issue("recv", tensors[0], lambda b: [b.recv(tensors, src_rank, tag)],
                            point_to_point=True)
 
+    def batch_p2p(self, ops: Sequence[dist.P2POp]) -> list[AbortableWork]:
+        """``torch.distributed.batch_isend_irecv`` on this group (``ops``: ``P2POp`` objects of
+        ``isend`` and ``irecv``): on NCCL one coalesced batch (``ncclGroupStart``/``End``), as
+        c10d batches for its own groups, so two neighbours that both send first do not wait for
+        each other whatever the size; on gloo one operation after the other, as c10d does
+        there. One work covers the batch."""
+        first = ops[0].tensor
+
+        def issue(backend: Any) -> list[dist.Work]:
+            if backend is not self._nccl:
+                return [_p2p(backend, op) for op in ops]
+            backend._start_coalescing(first.device)  # noqa: SLF001 - c10d's own batching
+            for op in ops:
+                _p2p(backend, op)
+            return [backend._end_coalescing(first.device)]  # noqa: SLF001
+
+        return [self._issue("batch_isend_irecv", first, issue, point_to_point=True)]
+
     def recv_anysource(self, tensors: list[torch.Tensor],  # type: ignore[override]
                        tag: int = 0) -> AbortableWork:
         return self._issue("recv_anysource", tensors[0],
                            lambda b: [b.recv_anysource(tensors, tag)], point_to_point=True)
+
+
+def _p2p(backend: Any, op: dist.P2POp) -> dist.Work:
+    """``op`` (an ``isend`` or ``irecv`` to its peer's rank in the group) on ``backend``."""
+    if op.op in (dist.isend, dist.send):
+        return backend.send([op.tensor], op.group_peer, op.tag)
+    return backend.recv([op.tensor], op.group_peer, op.tag)
 
 
 def _allreduce_options(opts: Any) -> AllreduceOptions:
