@@ -7,6 +7,7 @@ processes (:mod:`rank_jobs`).
 from __future__ import annotations
 
 import importlib.util
+import os
 import threading
 import signal
 import time
@@ -613,6 +614,43 @@ def test_neighbours_of_a_killed_rank_leave_promptly() -> None:
         assert report["left_by"] != "completed?!"
         assert report["left_at"] - killed_at < alarm_delay_s + 1.0
         assert report["destroy_s"] < 1.0
+
+
+def _failed_unseen(rank: int, store: dist.Store, port: int) -> dict:
+    """Rank 1 exits after a first all-reduce; rank 0's next one fails on gloo's connection
+    reset without any wait seeing it (as an NCCL work that hit an asynchronous error counts as
+    completed while its kernel may still spin)."""
+    init_mover_group(store, "gen0", rank, 2)
+    group = dist.group.WORLD
+    tensor = torch.ones(4)
+    dist.all_reduce(tensor)
+    if rank == 1:
+        os._exit(0)
+    work = dist.all_reduce(torch.ones(1 << 16), async_op=True)
+    deadline = time.monotonic() + 30
+    while group.pending_operations() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    report = {"pending": group.pending_operations(), "failed": group.failed_operations(),
+              "idle": group.idle}
+    try:
+        dist.all_reduce(torch.ones(1))
+        report["after"] = "ran"
+    except CollectiveAborted as error:
+        report["after"] = str(error)
+    except RuntimeError as error:
+        report["after"] = f"backend: {error}"
+    del work
+    dist.destroy_process_group()
+    return report
+
+
+def test_an_operation_that_failed_unseen_makes_its_group_neither_idle_nor_usable() -> None:
+    with rank_job() as job:
+        for rank in range(2):
+            job.start(rank, _failed_unseen)
+        report = job.collect([0])[0]
+    assert (report["pending"], report["failed"], report["idle"]) == (0, 1, False), report
+    assert "an earlier operation failed" in report["after"], report
 
 
 def _megatron_groups(rank: int, store: dist.Store, port: int) -> dict:

@@ -259,6 +259,13 @@ class MoverProcessGroup(NamedProcessGroup):
         with self._link.lock:
             return sum(1 for item in self._link.inflight if not item.done())
 
+    def failed_operations(self) -> int:
+        """How many of those completed with an error that no wait has seen yet. NCCL counts a
+        work whose communicator hit an asynchronous error as completed while its kernel may
+        still spin: such a group is neither idle nor kept, and an alarm aborts it."""
+        with self._link.lock:
+            return sum(1 for item in self._link.inflight if _failed(item))
+
     @property
     def usable(self) -> bool:
         """Whether operations may run (and waits go on) here; :meth:`check_usable` says why not."""
@@ -272,7 +279,8 @@ class MoverProcessGroup(NamedProcessGroup):
         issued the same operations, so the group can go on being used after an alarm (see
         :meth:`revive`)."""
         return (self._link.failure is None and not self._closed and not self._nccl_aborted
-                and self._abort_reason is None and self.pending_operations() == 0)
+                and self._abort_reason is None and self.pending_operations() == 0
+                and self.failed_operations() == 0)
 
     def revive(self) -> None:
         """Makes a group that an alarm aborted usable again, in the current alarm epoch.
@@ -329,7 +337,8 @@ class MoverProcessGroup(NamedProcessGroup):
         if not self.aborted:
             return  # created after the alarm: belongs to the next generation
         nccl = self._nccl
-        if nccl is not None and (self._abort_reason is not None or self.pending_operations()):
+        if nccl is not None and (self._abort_reason is not None or self.pending_operations()
+                                 or self.failed_operations()):
             self._nccl_aborted = True
             try:
                 nccl.abort()
@@ -407,6 +416,7 @@ class MoverProcessGroup(NamedProcessGroup):
     def _issue(self, op: str, tensor: Optional[torch.Tensor],
                calls: Callable[[Any], Sequence[dist.Work]], *,
                point_to_point: bool = False) -> AbortableWork:
+        self._latch_unseen_failure()
         self.check_usable(op)
         backend = self._backend_for(tensor, op)
         stream_ordered = backend is self._nccl
@@ -417,6 +427,14 @@ class MoverProcessGroup(NamedProcessGroup):
             self._link.inflight = [item for item in self._link.inflight if not item.done()]
             self._link.inflight.extend(pending)
         return AbortableWork(self, pending, op, stream_ordered=stream_ordered)
+
+    def _latch_unseen_failure(self) -> None:
+        """An operation that failed with no wait to see it (gloo's connection reset, NCCL's
+        asynchronous error) makes the group unusable before the next one is issued."""
+        with self._link.lock:
+            failed = next((item.error() for item in self._link.inflight if _failed(item)), None)
+        if failed is not None:
+            self.note_failure(failed)
 
     def _complete_alone(self, op: str, tensors: list[torch.Tensor]) -> AbortableWork:
         """``op`` in a group of one, where its result is its input: checked like any
@@ -601,6 +619,11 @@ class MoverProcessGroup(NamedProcessGroup):
                        tag: int = 0) -> AbortableWork:
         return self._issue("recv_anysource", tensors[0],
                            lambda b: [b.recv_anysource(tensors, tag)], point_to_point=True)
+
+
+def _failed(item: Any) -> bool:
+    """Whether an observed backend work completed with an error."""
+    return item.done() and item.error() is not None
 
 
 def _p2p(backend: Any, op: dist.P2POp) -> dist.Work:
