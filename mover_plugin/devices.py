@@ -9,9 +9,11 @@ once promoted, presents the environment a worker of that slot would (``RANK`` is
 
 This module holds the parts: the number of GPUs of a host (:func:`gpus_on_host`), the check
 that a host's workers and standbys fit them before anything starts (:func:`check_host_fits`),
-the slot for a new standby (:func:`free_slot`) and the binding a process makes as soon as it
-imports torch, before any model, optimizer or communicator exists (:func:`bind_device`). On a
-host without GPUs the slots are numbers only and nothing is bound.
+the slot for a new standby (:func:`free_slot`), the binding a process makes as soon as it
+imports torch, before any model, optimizer or communicator exists (:func:`bind_device`), and
+the wait for the device's work that a rank makes before a commit vote, a redo or a rollback
+(:func:`synchronize_device`). On a host without GPUs the slots are numbers only and nothing is
+bound.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Optional
 
-from mover_plugin.errors import ConfigError
+from mover_plugin.errors import ConfigError, MoverError
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +33,10 @@ VISIBLE_ENV = "CUDA_VISIBLE_DEVICES"
 
 class DeviceError(ConfigError):
     """A process's slot names no GPU it can see."""
+
+
+class DeviceFault(MoverError):
+    """The process's GPU reported an error: CUDA errors are sticky, the device is unusable."""
 
 
 @dataclass(frozen=True)
@@ -96,3 +102,16 @@ def bind_device(env: Mapping[str, str] = os.environ) -> Optional[int]:
     torch.cuda.set_device(index)
     logger.info("bound to cuda:%d (slot %d)", index, slot)
     return index
+
+
+def synchronize_device() -> None:
+    """Waits until the GPU work this process queued has ended (nothing to wait for without
+    CUDA, or before the process used it); raises :class:`DeviceFault` on a CUDA error."""
+    import torch
+
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return
+    try:
+        torch.cuda.synchronize()
+    except RuntimeError as error:
+        raise DeviceFault(str(error)) from error

@@ -130,3 +130,31 @@ def test_a_slot_beyond_the_visible_gpus_is_an_error_and_no_slot_binds_nothing(cu
     assert bind_device({"LOCAL_RANK": "0"}) is None
     assert cuda_calls.set == []
 
+
+
+def test_a_cuda_error_at_the_device_wait_ends_the_rank_as_a_lost_one(monkeypatch, cuda_calls):
+    """Before a commit vote, a redo or a rollback a rank waits for its GPU work; a CUDA error
+    there is sticky, so the process exits with status 1 (the launcher replaces a lost rank)
+    instead of reporting an error of the training code."""
+    from mover_plugin.devices import DeviceFault, synchronize_device
+    from mover_plugin.runtime import exits
+
+    synced = []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: synced.append(True))
+    synchronize_device()
+    exits.device_ready_or_exit(3, "the commit vote")
+    assert synced == [True, True]
+
+    def failing() -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", failing)
+    with pytest.raises(DeviceFault, match="illegal memory access"):
+        synchronize_device()
+    ended = []
+    monkeypatch.setattr(exits, "exit_now", lambda status: ended.append(status))
+    exits.device_ready_or_exit(3, "the commit vote")
+    assert ended == [1]
+    cuda_calls.count = 0  # no CUDA: nothing to wait for
+    synchronize_device()

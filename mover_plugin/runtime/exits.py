@@ -25,6 +25,7 @@ from typing import Optional
 from mover_plugin.comm import CollectiveAborted
 from mover_plugin.comm.alarm import wait_for_alarm
 from mover_plugin.comm.work import blocked_waits
+from mover_plugin.devices import DeviceFault, synchronize_device
 from mover_plugin.processes import exit_status
 
 logger = logging.getLogger(__name__)
@@ -37,6 +38,19 @@ def is_lost_peer(error: BaseException, grace_s: float) -> bool:
     if isinstance(error, CollectiveAborted):
         return True
     return wait_for_alarm(grace_s)
+
+
+def device_ready_or_exit(rank: int, before: str) -> None:
+    """Waits for this process's GPU work before ``before`` (a commit vote: the gradients'
+    reductions must have ended, not just been queued; a redo or a rollback: the aborted
+    communicators' kernels must be gone). A CUDA error there is sticky: the rank is lost, and
+    the process ends with status 1, as a crash would, so that a standby takes the rank."""
+    try:
+        synchronize_device()
+    except DeviceFault as fault:
+        logger.error("rank %d: the GPU failed before %s (%s); this rank is lost, exiting", rank,
+                     before, fault)
+        exit_now(status=1)
 
 
 def describe_error(error: BaseException, limit: int = 4000) -> dict[str, str]:

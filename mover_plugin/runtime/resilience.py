@@ -76,7 +76,12 @@ from mover_plugin.layout import ParallelLayout
 from mover_plugin.progress import ProgressReporter
 from mover_plugin.runtime.adapter import Continuation, FrameworkAdapter, Transfer
 from mover_plugin.runtime.control import ControlClient
-from mover_plugin.runtime.exits import describe_error, exit_now, is_lost_peer
+from mover_plugin.runtime.exits import (
+    describe_error,
+    device_ready_or_exit,
+    exit_now,
+    is_lost_peer,
+)
 from mover_plugin.runtime.faults import FaultInjector
 from mover_plugin.runtime.handover import open_handover, receive_state, send_state
 from mover_plugin.runtime.heartbeat import Heartbeat
@@ -395,6 +400,7 @@ class ResilienceRuntime:
         adapter restored ``snapshot`` if the iteration is to be redone)."""
         self._raise_unless_lost_peer(error)
         self._leave_step(error)
+        device_ready_or_exit(self.rank, "the switch")
         return self._switch_generation(snapshot)
 
     def train_with(self, step: Optional[Callable[[int], Any]]) -> None:
@@ -440,6 +446,7 @@ class ResilienceRuntime:
         assert step is not None, "the optimizer was stepped outside run_step"
         step.reached_commit = True
         migration = self.migration
+        device_ready_or_exit(self.rank, "the commit vote")
         self.faults.before_vote(self.rank, lambda: migration.switch_requested,
                                 self.settings.collective_timeout_s)
         votes = torch.tensor([1.0, 1.0 if migration.switch_requested else 0.0])
@@ -455,6 +462,7 @@ class ResilienceRuntime:
         when there is none, and then this process exits with status 1 (the launcher sees it at
         once and falls back to restarting the job)."""
         started = time.time()
+        device_ready_or_exit(self.rank, "the rollback")
         iteration = load()
         if iteration is None:
             logger.error("rank %d: cannot continue in place (%s) and there is no checkpoint "
