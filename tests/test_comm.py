@@ -356,6 +356,27 @@ def _collectives(rank: int, store: dist.Store, port: int) -> dict:
     return checks
 
 
+def test_the_alarm_s_aborts_run_at_once_and_a_stuck_one_holds_no_other() -> None:
+    """NCCL aborts on an alarm (mover_plugin.comm.process_group.run_concurrently): one that
+    blocks (behind another communicator's hung kernel) neither delays the others nor holds
+    the alarm's thread past the bound; it is named."""
+    from mover_plugin.comm.process_group import run_concurrently
+
+    release, ran = threading.Event(), []
+
+    def failing() -> None:
+        raise RuntimeError("ncclCommAbort failed")
+
+    started = time.monotonic()
+    stuck = run_concurrently({"tp": lambda: release.wait(30), "dp": lambda: ran.append("dp"),
+                              "pp": failing, "embedding": lambda: ran.append("embedding")},
+                             wait_s=0.5)
+    took = time.monotonic() - started
+    release.set()
+    assert stuck == ["tp"] and sorted(ran) == ["dp", "embedding"]
+    assert 0.5 <= took < 5.0
+
+
 def test_registration_is_idempotent_and_not_done_at_import() -> None:
     with rank_job() as job:
         job.start(0, _registration_is_opt_in)
