@@ -74,8 +74,19 @@ def test_a_cover_must_be_a_grid_over_the_world():
 
 
 def _build_groups() -> dict[tuple[int, ...], Any]:
-    """The same ``new_group`` calls on every process, in the same order (as Megatron's)."""
-    return {ranks: dist.new_group(list(ranks)) for ranks in GROUPS}
+    """The same ``new_group`` calls on every process, in the same order (as Megatron's); the
+    pipeline group {1,3} with NCCL options of its own (as Megatron's ``--nccl-communicator-
+    config-path`` gives)."""
+    return {ranks: dist.new_group(list(ranks), pg_options=_nccl_options(ranks))
+            for ranks in GROUPS}
+
+
+def _nccl_options(ranks: tuple[int, ...]) -> Any:
+    if ranks != (1, 3):
+        return None
+    options = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
+    options.config.max_ctas = 4
+    return options
 
 
 def _contribution(rank: int, joiner: bool) -> float:
@@ -141,6 +152,10 @@ def _stayer(rank: int, store: dist.Store, port: int) -> dict[str, Any]:
     checks["kept"] = sorted(ranks for ranks in groups
                             if rank in ranks and id(groups[ranks]) == before[ranks])
     checks["world_replaced"] = id(dist.group.WORLD) != world_before
+    if rank == 1:  # {1,3} was rebuilt with the options the joiner's is made with
+        options = groups[(1, 3)].nccl_options_copy()
+        checks["nccl_options_kept"] = (options.is_high_priority_stream,
+                                       options.config.max_ctas) == (True, 4)
     dist.destroy_process_group()
     return checks
 
@@ -166,6 +181,7 @@ def test_a_replaced_rank_rebuilds_only_its_groups_and_the_stayers_keep_the_rest(
     assert results[1]["kept"] == [(0, 1)]  # {1,3} holds the leaving rank
     assert results[2]["kept"] == [(0, 2)]
     assert all(results[r]["world_replaced"] for r in (0, 1, 2))
+    assert results[1]["nccl_options_kept"] is True
     assert results[100]["p2p"] is True
 
 

@@ -177,14 +177,17 @@ def prepare_delta(generation_store: Store, changed: Collection[int], *, timeout:
         for name in sorted(names, key=group_name_order):
             old, info = groups[name]
             store = rendezvous_store(generation_store, name, default_name)
+            options = old.nccl_options_copy()  # the members that keep theirs have these
             if info.is_default:
-                new = WorldGroup(store, rank, len(info.global_ranks), timeout, group_name=name)
+                new = WorldGroup(store, rank, len(info.global_ranks), timeout, group_name=name,
+                                 nccl_options=options)
             else:
                 # The first replacement with these members connects; the others share it,
                 # as a newcomer's groups do (the mover backend: in creation = name order).
                 members = tuple(info.global_ranks)
                 new = MoverProcessGroup(store, info.global_ranks.index(rank), len(members),
                                         timeout, group_name=name, global_ranks=list(members),
+                                        nccl_options=options,
                                         share_with=by_members.get(members))
                 by_members.setdefault(members, new)
             delta.replacements[name] = (old, new)

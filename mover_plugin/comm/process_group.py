@@ -112,11 +112,15 @@ def _ensure_alarm_listener() -> None:
             live.listener_added = True
 
 
+def _is_nccl_options(options: Any) -> bool:
+    return dist.is_nccl_available() and isinstance(options, dist.ProcessGroupNCCL.Options)
+
+
 def _make_nccl(store: Store, rank: int, size: int, timeout: timedelta,
                global_ranks: Sequence[int], group_name: str, options: Any = None) -> Any:
     """A ``ProcessGroupNCCL`` configured as c10d configures its own (no split, no eager init);
     ``options`` are the ``ProcessGroupNCCL.Options`` given to ``new_group``, if any."""
-    if not isinstance(options, dist.ProcessGroupNCCL.Options):
+    if not _is_nccl_options(options):
         options = dist.ProcessGroupNCCL.Options()
         options.is_high_priority_stream = False
     options._timeout = timeout
@@ -227,6 +231,7 @@ class MoverProcessGroup(NamedProcessGroup):
         super().__init__(rank, size, group_name)
         self._label = group_name or "?"
         self._timeout = timeout
+        self._nccl_options = nccl_options if _is_nccl_options(nccl_options) else None
         self._abortable = abortable
         self._epoch = alarm.current_epoch()
         self._abort_reason: Optional[str] = None
@@ -267,6 +272,17 @@ class MoverProcessGroup(NamedProcessGroup):
 
     def _name(self) -> str:
         return self._group_name or self._label
+
+    def nccl_options_copy(self) -> Any:
+        """A copy of the NCCL options the group was made with (None without), for the group
+        that replaces it: its communicator gets the same configuration (stream priority,
+        CTA counts, network) as the members that keep theirs."""
+        if self._nccl_options is None:
+            return None
+        copy = dist.ProcessGroupNCCL.Options(
+            is_high_priority_stream=self._nccl_options.is_high_priority_stream)
+        copy.config = self._nccl_options.config
+        return copy
 
     def can_share_with(self, other: "MoverProcessGroup") -> bool:
         """Whether ``other`` may use this group's gloo backend: same ranks in the same order,
