@@ -436,10 +436,11 @@ class MoverProcessGroup(NamedProcessGroup):
         return self._timeout
 
     def set_timeout(self, timeout: timedelta) -> None:
-        """Sets the backends' default operation timeout."""
+        """Sets the backends' default operation timeout (NCCL's too: its watchdog's)."""
         self._timeout = timeout
-        if self._gloo is not None:
-            self._gloo._set_default_timeout(timeout)
+        for backend in (self._gloo, self._nccl):
+            if backend is not None:
+                backend._set_default_timeout(timeout)
 
     # ------------------------------------------------------------------ dispatch
 
