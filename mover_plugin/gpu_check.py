@@ -29,6 +29,9 @@ The checks (GPUs needed):
   in an all-reduce on CUDA tensors; the alarm comes 2 s later. The survivor must live, leave
   the collective, and synchronise its device; the times, ``pending_operations()`` and
   ``idle`` are printed.
+- ``hung_groups`` (2): the peer of two groups stays alive but joins nothing more, so two
+  all-reduces hang in their kernels; the alarm comes 2 s later. Both communicators must be
+  aborted (concurrently) and the device synchronise; the times are printed.
 - ``batch_p2p`` (2): a 64 MB exchange both ways with ``batch_isend_irecv`` on a ``mover``
   group (Megatron's pipeline with ``batch_p2p_comm``), checked and timed.
 """
@@ -181,6 +184,11 @@ def check_peer_loss(gpus: int) -> Outcome:
     return _from_child(survivor)
 
 
+def check_hung_groups(gpus: int) -> Outcome:
+    survivor = _run_ranks("hung_groups", 2)[0]
+    return _from_child(survivor)
+
+
 def check_batch_p2p(gpus: int) -> Outcome:
     results = _run_ranks("batch_p2p", 2)
     failed = [r for r in results if r["status"] != "PASS"]
@@ -199,6 +207,7 @@ CHECKS = (
     Check("rng_redo", 1, check_rng_redo),
     Check("handover", 1, check_handover),
     Check("peer_loss", 2, check_peer_loss),
+    Check("hung_groups", 2, check_hung_groups),
     Check("batch_p2p", 2, check_batch_p2p),
 )
 
@@ -370,6 +379,45 @@ def _child_peer_loss(rank: int, world: int, port: int) -> tuple[str, str]:
             f"synchronize {synced:.2f} s; pending_operations {pending}; idle {idle}")
 
 
+def _child_hung_groups(rank: int, world: int, port: int) -> tuple[str, str]:
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from mover_plugin.comm import CollectiveAborted, raise_alarm
+
+    _world(rank, world, port)
+    groups = [dist.new_group([0, 1]) for _ in range(2)]
+    tensor = torch.ones(1 << 20, device="cuda")
+    for group in groups:  # each communicator made and used once
+        dist.all_reduce(tensor, group=group)
+    torch.cuda.synchronize()
+    dist.barrier()
+    store = dist.TCPStore("127.0.0.1", port, is_master=False)
+    if rank == 1:  # alive, but joins nothing more until rank 0 is done
+        store.wait(["hung_groups/done"], timedelta(seconds=CHILD_TIMEOUT_S))
+        return "PASS", "stayed away"
+    works = [dist.all_reduce(tensor, group=group, async_op=True) for group in groups]
+    threading.Timer(ALARM_AFTER_S, raise_alarm, args=("gpu_check: peer hung",)).start()
+    began = time.monotonic()
+    left = 0
+    for work in works:
+        try:
+            work.wait()
+        except CollectiveAborted:
+            left += 1
+    waited = time.monotonic() - began
+    began = time.monotonic()
+    torch.cuda.synchronize()
+    synced = time.monotonic() - began
+    store.set("hung_groups/done", "1")
+    ok = left == 2 and waited < ALARM_AFTER_S + 3.0
+    return ("PASS" if ok else "FAIL",
+            f"two groups with hung all-reduces left {left}/2 after {waited:.2f} s "
+            f"(alarm at {ALARM_AFTER_S:.0f} s); synchronize {synced:.2f} s")
+
+
 def _child_batch_p2p(rank: int, world: int, port: int) -> tuple[str, str]:
     import torch
     import torch.distributed as dist
@@ -394,6 +442,7 @@ CHILDREN: dict[str, Callable[[int, int, int], tuple[str, str]]] = {
     "rng_redo": _child_rng_redo,
     "handover": _child_handover,
     "peer_loss": _child_peer_loss,
+    "hung_groups": _child_hung_groups,
     "batch_p2p": _child_batch_p2p,
 }
 
