@@ -92,6 +92,10 @@ def test_a_first_stage_rank_of_a_three_stage_pipeline_is_survived_exactly(tmp_pa
     assert summary["restarts"] == 0 and summary["steps_completed"] == 8
     (warmed,) = [e for e in events if e["event"] == "standby_warmed"]
     assert warmed["kept"] == ["first", "last", "middle"]
+    # No GPU and no --resilient-standby-memory-mb: no budget, every role kept; what each holds
+    assert warmed["released"] == [] and warmed["budget_mb"] is None
+    assert sorted(warmed["held_mb"]) == ["first", "last", "middle"]
+    assert all(held > 0 for held in warmed["held_mb"].values())
     (joiner,) = [e for e in events if e["event"] == "switched" and e["role"] == "joiner"]
     assert joiner["adopted"] is True
 

@@ -40,6 +40,7 @@ would happen in it too (:mod:`mover_plugin.deepspeed.shadow_run`)."""
 _NOT_FOR_DEEPSPEED = {
     "fault_tolerance": "a DeepSpeed job does not shrink onto pipeline templates (without a "
                        "ready standby it falls back to a restart)",
+    "standby_memory_mb": "a DeepSpeed standby keeps no pipeline roles warmed up in advance",
 }
 
 

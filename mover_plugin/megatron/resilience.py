@@ -167,7 +167,8 @@ class MegatronResilience:
     def _warm_up(self, warm: StandbyWarmUp) -> None:
         runtime = self.runtime
         self._warmed = warm_up(warm, runtime.world_size,
-                               runtime.settings.standby_shadow_iterations)
+                               runtime.settings.standby_shadow_iterations,
+                               runtime.settings.standby_memory_mb)
         if self._warmed is not None:
             runtime.control.post("standby_warmed", standby=runtime.control.standby_id,
                                  time=time.time(), **self._warmed.report)

@@ -9,8 +9,8 @@ optimizer with the script's own code, and runs a few *shadow iterations* of the 
 training step. The imports, lazy initializations, allocator pools and code paths of every role
 are warm afterwards, and nothing has reached the job's ranks.
 
-It keeps what it built for every role it played (each role's model, DDP and optimizer, with
-the sandbox groups they hold). On promotion to a rank of a kept role (same pipeline stage,
+It keeps what it built for every role it played that fits its memory budget (each role's
+model, DDP and optimizer, with the sandbox groups they hold). On promotion to a rank of a kept role (same pipeline stage,
 tensor-parallel index 0, and, with the distributed optimizer, data-parallel index 0), those
 objects are *adopted*: every sandbox group they hold is replaced by the job's group of the
 same purpose (paired through Megatron-Core's ``parallel_state``), the other roles' objects are
@@ -22,9 +22,11 @@ Megatron-Core fixes the DDP grad buffers and the optimizer's parameter groups wh
 them (with the distributed optimizer, the shard a rank updates and the bucket groups' rank in
 the data-parallel group among them), so one role's objects cannot be turned into another's.
 
-Keeping every role costs the standby the memory of that many stages' model, gradients and
-optimizer state (never activations: the shadow iterations' are freed); a worker holds one
-stage but also its activations.
+Each kept role costs the standby that stage's model, gradients and optimizer state (never
+activations: the shadow iterations' are freed); a worker holds one stage but also its
+activations. The roles kept are those that fit a memory budget
+(:mod:`mover_plugin.megatron.standby_memory`: by default, on a GPU, what a worker of the
+largest role needs); the others are warmed and released.
 
 The parameters, optimizer state and RNG states of the warm-up are never used: the promoted
 standby receives them from its twin.
@@ -49,6 +51,7 @@ from mover_plugin.comm.sandbox import (
 )
 from mover_plugin.layout import Coordinates, ParallelLayout
 from mover_plugin.megatron.distributed_optimizer import uses_distributed_optimizer
+from mover_plugin.megatron.standby_memory import MB, MemoryBudget, held_bytes
 from mover_plugin.runtime.rewire import count_references, rewire
 
 logger = logging.getLogger(__name__)
@@ -159,13 +162,15 @@ class WarmedStandby:
         return objects
 
 
-def warm_up(plan: StandbyWarmUp, world_size: int, iterations: int) -> Optional[WarmedStandby]:
-    """Plays every pipeline role in the sandbox (see the module docstring); None if the
-    warm-up failed (logged): the standby then stays, cold, and builds on promotion."""
+def warm_up(plan: StandbyWarmUp, world_size: int, iterations: int,
+            memory_mb: int = 0) -> Optional[WarmedStandby]:
+    """Plays every pipeline role in the sandbox (see the module docstring), keeping those that
+    fit ``memory_mb`` (:class:`MemoryBudget`); None if the warm-up failed (logged): the
+    standby then stays, cold, and builds on promotion."""
     from megatron.core import parallel_state
 
     try:
-        return _play_roles(plan, world_size, iterations)
+        return _play_roles(plan, world_size, iterations, memory_mb)
     except Exception:  # noqa: BLE001 - a standby is worth keeping even if it cannot warm up
         logger.exception("the standby's warm-up in the sandbox failed; it stays a cold standby")
         if parallel_state.model_parallel_is_initialized():
@@ -176,13 +181,15 @@ def warm_up(plan: StandbyWarmUp, world_size: int, iterations: int) -> Optional[W
         return None
 
 
-def _play_roles(plan: StandbyWarmUp, world_size: int, iterations: int) -> WarmedStandby:
+def _play_roles(plan: StandbyWarmUp, world_size: int, iterations: int,
+                memory_mb: int = 0) -> WarmedStandby:
     from megatron.core import parallel_state
 
     register_sandbox_backend()
     roles = pipeline_roles(parallel_layout(world_size, plan.parallel))
     started = time.time()
     timings: dict[str, float] = {}
+    budget = MemoryBudget(memory_mb * MB if memory_mb else None)
     kept: list[KeptRole] = []
     for role in roles:
         role_started = time.perf_counter()
@@ -192,11 +199,13 @@ def _play_roles(plan: StandbyWarmUp, world_size: int, iterations: int) -> Warmed
             parallel_state.initialize_model_parallel(**plan.parallel)
         else:
             plan.initialize_groups()
-        objects = plan.build()
-        for _ in range(iterations):
-            plan.shadow_step(*objects)
-        kept.append(KeptRole(role, objects, _parallel_state_groups(),
-                             uses_distributed_optimizer(objects[1])))
+        with budget.measuring(role.name):
+            objects = plan.build()
+            for _ in range(iterations):
+                plan.shadow_step(*objects)
+        if budget.keeps(role.name, held_bytes(objects)):
+            kept.append(KeptRole(role, objects, _parallel_state_groups(),
+                                 uses_distributed_optimizer(objects[1])))
         del objects
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
@@ -205,6 +214,7 @@ def _play_roles(plan: StandbyWarmUp, world_size: int, iterations: int) -> Warmed
     report = {
         "roles": [role.name for role in roles],
         "kept": [item.role.name for item in kept],
+        **budget.report(),
         "shadow_iterations": iterations,
         "role_s": timings,
         "warm_up_s": time.time() - started,

@@ -28,6 +28,10 @@ class ResilienceSettings:
     standby_shadow_iterations: int = 2
     """Training iterations a standby runs in the sandbox per pipeline role while it warms up
     (0: it only imports and waits)."""
+    standby_memory_mb: int = 0
+    """Memory (MB) a standby may keep for the pipeline roles it warmed up (0: as much as a
+    worker of its largest role peaked at during the warm-up, measured on a GPU; with no GPU,
+    no limit). A role over the budget is warmed and released."""
     fault_tolerance: int = 1
     """When no standby is ready and the job shrinks onto pipeline templates, the plan keeps at
     least this many pipelines more than one (each a full replica of the model), so that
