@@ -9,18 +9,19 @@ optimizer with the script's own code, and runs a few *shadow iterations* of the 
 training step. The imports, lazy initializations, allocator pools and code paths of every role
 are warm afterwards, and nothing has reached the job's ranks.
 
-It keeps what it built for every role it played that fits its memory budget (each role's
-model, DDP and optimizer, with the sandbox groups they hold). On promotion to a rank of a kept
-role (same pipeline stage, tensor-parallel index 0, and, with the distributed optimizer,
-data-parallel index 0), those objects are *adopted*: every sandbox group they hold is
-replaced by the job's group of the same purpose (paired through Megatron-Core's
-``parallel_state``), the other roles' objects are released, and the state then comes from the
-data-parallel twin as usual. Every stage of a pipeline of up to three stages is thus warm. A rank of another role (a tensor-parallel index
-other than 0, a middle stage after the second in a deeper pipeline, or a data-parallel index
-other than 0 when the optimizer is sharded) is built on promotion, with warm code paths:
-Megatron-Core fixes the DDP grad buffers and the optimizer's parameter groups when it builds
-them (with the distributed optimizer, the shard a rank updates and the bucket groups' rank in
-the data-parallel group among them), so one role's objects cannot be turned into another's.
+It keeps what it built for every role it played that fits its memory budget (each role's model,
+DDP and optimizer, with the sandbox groups they hold). On promotion to a rank of a kept role
+(same pipeline stage, tensor-parallel index 0, and, with the distributed optimizer,
+data-parallel index 0), those objects are *adopted*: every sandbox group they hold is replaced
+by the job's group of the same purpose (paired through Megatron-Core's ``parallel_state``), the
+other roles' objects are released, and the state then comes from the data-parallel twin as
+usual. Every stage of a pipeline of up to three stages is thus warm. A rank of another role (a
+tensor-parallel index other than 0, a middle stage after the second in a deeper pipeline, or a
+data-parallel index other than 0 when the optimizer is sharded) is built on promotion, with
+warm code paths: Megatron-Core fixes the DDP grad buffers and the optimizer's parameter groups
+when it builds them (with the distributed optimizer, the shard a rank updates and the bucket
+groups' rank in the data-parallel group among them), so one role's objects cannot be turned
+into another's.
 
 Each kept role costs the standby that stage's model, gradients and optimizer state (never
 activations: the shadow iterations' are freed); a worker holds one stage but also its
