@@ -309,7 +309,7 @@ class MoverProcessGroup(NamedProcessGroup):
             return sum(1 for item in self._link.inflight if not item.done())
 
     def failed_operations(self) -> int:
-        """How many of those completed with an error that no wait has seen yet. NCCL counts a
+        """How many of those completed with an error (seen by a wait or not). NCCL counts a
         work whose communicator hit an asynchronous error as completed while its kernel may
         still spin: such a group is neither idle nor kept, and an alarm aborts it."""
         with self._link.lock:
