@@ -18,8 +18,8 @@ The checks (GPUs needed):
 - ``device_binding`` (1): a process started with ``LOCAL_RANK=i`` through the worker command
   (``python -m mover_plugin.launch.run``) has ``cuda:i`` current when its script runs, for each
   GPU (:mod:`mover_plugin.devices`).
-- ``nccl_group`` (1): a one-rank ``mover`` group all-reduces a CUDA tensor, aborts and shuts
-  down; the times of each.
+- ``nccl_group`` (1): a one-rank ``mover`` group all-gathers a CUDA tensor through NCCL, aborts
+  and shuts down; the times of each.
 - ``rng_redo`` (1): Megatron's RNG snapshot (:func:`mover_plugin.megatron.checkpoint
   .capture_rng_state`) restores CUDA dropout: a redone forward equals the first.
 - ``handover`` (1): a rank's state handed from one process to another (:mod:`mover_plugin
@@ -114,7 +114,8 @@ def check_cuda(gpus: int) -> Outcome:
     import torch
 
     names = sorted({torch.cuda.get_device_name(i) for i in range(gpus)})
-    nccl = ".".join(str(part) for part in torch.cuda.nccl.version())
+    version = torch.cuda.nccl.version()
+    nccl = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
     return Outcome("PASS", f"torch {torch.__version__} CUDA {torch.version.cuda} NCCL {nccl} "
                    f"gpus {gpus} ({', '.join(names)})")
 
@@ -280,7 +281,8 @@ def _child_nccl_group(rank: int, world: int, port: int) -> tuple[str, str]:
     started = time.monotonic()
     group = _world(rank, world, port)
     tensor = torch.full((1024,), 2.0, device="cuda")
-    dist.all_reduce(tensor)
+    gathered = torch.empty_like(tensor)
+    dist.all_gather_into_tensor(gathered, tensor)  # NCCL's (an all-reduce of one needs none)
     torch.cuda.synchronize()
     made = time.monotonic() - started
     began = time.monotonic()
@@ -289,9 +291,9 @@ def _child_nccl_group(rank: int, world: int, port: int) -> tuple[str, str]:
     began = time.monotonic()
     dist.destroy_process_group()
     shut = time.monotonic() - began
-    ok = bool(torch.all(tensor == 2.0))
+    ok = bool(torch.all(gathered == 2.0))
     return ("PASS" if ok else "FAIL",
-            f"init+all_reduce {made:.2f} s abort {aborted * 1e3:.1f} ms "
+            f"init+all_gather {made:.2f} s abort {aborted * 1e3:.1f} ms "
             f"shutdown {shut * 1e3:.1f} ms result {'right' if ok else 'wrong'}")
 
 
