@@ -357,10 +357,10 @@ def _collectives(rank: int, store: dist.Store, port: int) -> dict:
 
 
 def test_the_alarm_s_aborts_run_at_once_and_a_stuck_one_holds_no_other() -> None:
-    """NCCL aborts on an alarm (mover_plugin.comm.process_group.run_concurrently): one that
+    """NCCL aborts on an alarm (mover_plugin.comm.live.run_concurrently): one that
     blocks (behind another communicator's hung kernel) neither delays the others nor holds
     the alarm's thread past the bound; it is named."""
-    from mover_plugin.comm.process_group import run_concurrently
+    from mover_plugin.comm.live import run_concurrently
 
     release, ran = threading.Event(), []
 

@@ -9,15 +9,18 @@ in the same process. This package provides:
 - :mod:`~mover_plugin.comm.backend` — ``register_backend()``, after which
   ``init_process_group("mover", ...)`` and every ``new_group`` without a backend build
   :class:`MoverProcessGroup` (gloo on CPU, NCCL on CUDA, behind one class);
+- :mod:`~mover_plugin.comm.connections` — the gloo and NCCL backends a group is made of;
 - :mod:`~mover_plugin.comm.work` — the work handles whose ``wait()`` can be abandoned;
+- :mod:`~mover_plugin.comm.live` — the groups not shut down yet, whose NCCL communicators the
+  alarm aborts all at once;
 - :mod:`~mover_plugin.comm.retired` — keeps abandoned communicators alive until their pending
-  operations end, so that destroying a generation never blocks.
+  operations end, so that destroying a generation never blocks;
 - :mod:`~mover_plugin.comm.world` — the default group carried by the job's other groups (a
   *cover*), so that it never has to be rebuilt;
 - :mod:`~mover_plugin.comm.delta` — the next generation's groups, rebuilt only where they hold
   a replaced rank (delta communicators) and registered with c10d in the old ones' place;
 - :mod:`~mover_plugin.comm.sandbox` — the ``mover_sandbox`` backend, groups that talk to no
-  one, in which a standby warms up.
+  one, in which a standby warms up;
 - :mod:`~mover_plugin.comm.nccl_env` — the NCCL environment ``register_backend()`` sets, so
   that NCCL's watchdog ends no survivor of a peer's loss;
 - :mod:`~mover_plugin.comm.context` — the package's process-wide state (the alarm, the waiter

@@ -9,8 +9,9 @@ The Python functions of ``torch.distributed`` call its methods (``allreduce``,
 ``all_gather_single``, ``send``, ...) directly; C++ callers reach the ones that
 ``torch``'s ``PyProcessGroup`` trampoline forwards.
 
-Each operation is handed to a real backend — ``ProcessGroupGloo`` for CPU tensors, and on a
-machine with CUDA ``ProcessGroupNCCL`` for CUDA tensors — and its work is wrapped in an
+Each operation is handed to a real backend (:mod:`mover_plugin.comm.connections`) —
+``ProcessGroupGloo`` for CPU tensors, and on a machine with CUDA ``ProcessGroupNCCL`` for CUDA
+tensors — and its work is wrapped in an
 :class:`~mover_plugin.comm.work.AbortableWork`; an all-reduce in a group of one (its result is
 its input, unless it is a pre-multiplied sum) completes without the backend. A group is
 *aborted* once the process-wide alarm has been raised after its creation (or
@@ -19,17 +20,13 @@ its input, unless it is a pre-multiplied sum) completes without the backend. A g
 communicators are aborted, and :meth:`MoverProcessGroup.shutdown` (called by
 ``destroy_process_group``) returns at once, handing backends with pending operations to
 :mod:`mover_plugin.comm.retired` instead of joining their threads. The groups not shut down
-yet are the ``live`` groups of the process's :class:`~mover_plugin.comm.context.CommContext`,
-which the alarm's listener reaches.
+yet are the live groups (:mod:`mover_plugin.comm.live`), which the alarm's listener reaches.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
-import os
 import threading
-import time
 from datetime import timedelta
 from typing import Any, Callable, Optional, Sequence
 
@@ -50,8 +47,8 @@ from torch.distributed.distributed_c10d import (
     ScatterOptions,
 )
 
-from mover_plugin.comm import alarm, cancel, retired
-from mover_plugin.comm.context import LiveGroups, default_context
+from mover_plugin.comm import alarm, live, retired
+from mover_plugin.comm.connections import is_nccl_options, make_gloo, make_nccl
 from mover_plugin.comm.errors import CollectiveAborted, CommAborted
 from mover_plugin.comm.named import NamedProcessGroup
 from mover_plugin.comm.work import AbortableWork, completed, observe
@@ -59,117 +56,6 @@ from mover_plugin.comm.work import AbortableWork, completed, observe
 logger = logging.getLogger(__name__)
 
 BACKEND_NAME = "mover"
-GLOO_SOCKET_IFNAME_ENV = "GLOO_SOCKET_IFNAME"
-"""The interfaces gloo uses, as with c10d's own gloo backend."""
-
-
-def _live() -> LiveGroups:
-    return default_context().live
-
-
-ABORT_WAIT_S = 10.0
-"""How long the alarm's listener waits for the NCCL aborts it started."""
-
-
-def _abort_live_groups(reason: str) -> None:
-    """Alarm listener: aborts the NCCL communicators of the groups the alarm aborted, each in a
-    thread of its own: ``ncclCommAbort`` can block behind another communicator's hung kernel,
-    and ``ProcessGroupNCCL.abort``'s own timeout does not bound it."""
-    groups = [group for group in list(_live().groups) if group._nccl is not None]
-    stuck = run_concurrently({group._name(): functools.partial(group._on_alarm, reason)
-                              for group in groups}, ABORT_WAIT_S)
-    if stuck:
-        logger.error("NCCL aborts still running after %.0f s (left to finish in their "
-                     "threads): groups %s", ABORT_WAIT_S, ", ".join(stuck))
-
-
-def run_concurrently(calls: dict[str, Callable[[], None]], wait_s: float) -> list[str]:
-    """Runs each call in a daemon thread of its own, all at once; waits for them at most
-    ``wait_s`` in all and returns the names of those still running (an error is logged)."""
-
-    def run(name: str, call: Callable[[], None]) -> None:
-        try:
-            call()
-        except Exception:  # noqa: BLE001 - logged; one failing call must not stop the others
-            logger.exception("%s failed", name)
-
-    threads = {name: threading.Thread(target=run, args=(name, call), daemon=True,
-                                      name=f"mover-abort-{name}")
-               for name, call in calls.items()}
-    for thread in threads.values():
-        thread.start()
-    deadline = time.monotonic() + wait_s
-    for thread in threads.values():
-        thread.join(max(0.0, deadline - time.monotonic()))
-    return [name for name, thread in threads.items() if thread.is_alive()]
-
-
-def _ensure_alarm_listener() -> None:
-    live = _live()
-    with live.listener_lock:
-        if not live.listener_added:
-            alarm.add_listener(_abort_live_groups)
-            live.listener_added = True
-
-
-def _is_nccl_options(options: Any) -> bool:
-    return dist.is_nccl_available() and isinstance(options, dist.ProcessGroupNCCL.Options)
-
-
-def _make_nccl(store: Store, rank: int, size: int, timeout: timedelta,
-               global_ranks: Sequence[int], group_name: str, options: Any = None) -> Any:
-    """A ``ProcessGroupNCCL`` configured as c10d configures its own (no split, no eager init);
-    ``options`` are the ``ProcessGroupNCCL.Options`` given to ``new_group``, if any."""
-    if not _is_nccl_options(options):
-        options = dist.ProcessGroupNCCL.Options()
-        options.is_high_priority_stream = False
-    options._timeout = timeout
-    options.global_ranks_in_group = list(global_ranks)
-    options.group_name = group_name
-    return dist.ProcessGroupNCCL(store, rank, size, options)
-
-
-def _make_gloo(store: Store, rank: int, size: int, timeout: timedelta, *,
-               full_mesh: bool) -> Any:
-    """A ``ProcessGroupGloo`` whose members are connected to their ring neighbours.
-
-    c10d's gloo group connects every member to every other at creation (``size - 1``
-    connections each), so rebuilding a group that holds a replaced rank costs every member
-    more as the group grows. Here a group of two ranks or more is created with pairs that
-    connect on first use, and a one-element all-reduce (gloo's ring) connects each member to
-    group ranks ``rank - 1`` and ``rank + 1`` before the constructor returns: the pairs that
-    ring all-reduce and all-gather and a pipeline's point-to-point traffic use. Pairs that
-    other operations need (broadcast and barrier trees, point-to-point beyond a neighbour)
-    connect inside the first such operation. ``full_mesh`` keeps c10d's way. Within
-    :func:`mover_plugin.comm.cancel.cancel_when`, the first connections are given up (the
-    backend kept until its own timeout ends them) when the check names a reason.
-    """
-    if full_mesh or size == 1:
-        return dist.ProcessGroupGloo(store, rank, size, timeout)
-    options = dist.ProcessGroupGloo._Options()
-    options._timeout = timeout
-    options._devices = _gloo_devices()
-    gloo = dist.ProcessGroupGloo(store, rank, size, options)
-    connect = gloo.allreduce([torch.zeros(1)])
-    try:
-        cancel.wait_for_work(connect, timeout, "connecting to the ring neighbours")
-    except cancel.BuildCancelled:
-        # The connection may still be waiting for a member that never comes: the backend is
-        # kept until it gives up, so that dropping it does not join a blocked thread (the
-        # observer that asks the work itself whether it is done).
-        retired.retire("(cancelled)", [gloo], [observe(connect, stream_ordered=True)])
-        raise
-    return gloo
-
-
-def _gloo_devices() -> list[Any]:
-    """Gloo devices that connect on first use: one per interface ``GLOO_SOCKET_IFNAME`` names
-    (comma-separated, as c10d reads it), else the default one (the host name's address)."""
-    names = [name for name in os.environ.get(GLOO_SOCKET_IFNAME_ENV, "").split(",") if name]
-    if names:
-        return [dist.ProcessGroupGloo.create_device(interface=name, lazy_init=True)
-                for name in names]
-    return [dist.ProcessGroupGloo.create_default_device(lazy_init=True)]
 
 
 class _Link:
@@ -210,7 +96,7 @@ class MoverProcessGroup(NamedProcessGroup):
             carries, see :class:`mover_plugin.comm.world.WorldGroup`).
 
     A gloo backend connects each member to its ring neighbours at creation and other pairs on
-    first use (see :func:`_make_gloo`). Groups whose members are the same ranks in the same
+    first use (see :func:`~mover_plugin.comm.connections.make_gloo`). Groups whose members are the same ranks in the same
     order may share one gloo backend (``share_with``: a group to share with, if
     :meth:`can_share_with` allows; the ``mover`` backend and the delta pass one): every
     member issues their operations in one program order, so one backend carries them in that
@@ -231,7 +117,7 @@ class MoverProcessGroup(NamedProcessGroup):
         super().__init__(rank, size, group_name)
         self._label = group_name or "?"
         self._timeout = timeout
-        self._nccl_options = nccl_options if _is_nccl_options(nccl_options) else None
+        self._nccl_options = nccl_options if is_nccl_options(nccl_options) else None
         self._abortable = abortable
         self._epoch = alarm.current_epoch()
         self._abort_reason: Optional[str] = None
@@ -250,16 +136,15 @@ class MoverProcessGroup(NamedProcessGroup):
             self._gloo = share_with._gloo
         else:
             if connect:
-                self._gloo = _make_gloo(PrefixStore("gloo/", store), rank, size, timeout,
+                self._gloo = make_gloo(PrefixStore("gloo/", store), rank, size, timeout,
                                         full_mesh=self.c10d_gloo)
                 self._gloo.options.global_ranks_in_group = self._global_ranks
                 self._gloo.options.group_name = group_name
             self._link = _Link()
         if use_cuda:
-            self._nccl = _make_nccl(PrefixStore("nccl/", store), rank, size, timeout,
+            self._nccl = make_nccl(PrefixStore("nccl/", store), rank, size, timeout,
                                     self._global_ranks, group_name, nccl_options)
-        _ensure_alarm_listener()
-        _live().groups.add(self)
+        live.add(self)
         logger.debug("group %s: rank %d of %d (global ranks %s), epoch %d, nccl=%s, "
                      "gloo shared by %d", self._label, rank, size, self._global_ranks,
                      self._epoch, self._nccl is not None, self._link.users)
@@ -267,10 +152,12 @@ class MoverProcessGroup(NamedProcessGroup):
     # ------------------------------------------------------------------ state
 
     def __repr__(self) -> str:
-        return (f"MoverProcessGroup(name={self._name()!r}, rank={self.rank()}, "
+        return (f"MoverProcessGroup(name={self.label!r}, rank={self.rank()}, "
                 f"size={self.size()}, epoch={self._epoch}, aborted={self.aborted})")
 
-    def _name(self) -> str:
+    @property
+    def label(self) -> str:
+        """The group's name in messages: its c10d name, else the label it was made with."""
         return self._group_name or self._label
 
     def nccl_options_copy(self) -> Any:
@@ -337,27 +224,27 @@ class MoverProcessGroup(NamedProcessGroup):
         Only for a group that every member found :attr:`idle` after the alarm (the caller
         establishes that); raises ``ValueError`` if this member's side is not idle."""
         if not self.idle:
-            raise ValueError(f"group {self._name()!r} cannot be revived: it has pending, "
+            raise ValueError(f"group {self.label!r} cannot be revived: it has pending, "
                              "failed or aborted operations, or was shut down")
         self._epoch = alarm.current_epoch()
 
     def check_usable(self, op: str) -> None:
         """Raises :class:`CollectiveAborted` if ``op`` must not run (or keep waiting) here."""
         if self._abort_reason is not None:
-            raise CollectiveAborted(f"{op} on group {self._name()!r}: group aborted: "
+            raise CollectiveAborted(f"{op} on group {self.label!r}: group aborted: "
                                     f"{self._abort_reason}", reason=self._abort_reason,
-                                    group=self._name())
+                                    group=self.label)
         if alarm.current_epoch() != self.epoch:
             reason = alarm.reason_after(self._epoch) or "alarm"
-            raise CollectiveAborted(f"{op} on group {self._name()!r}: aborted by the alarm: "
-                                    f"{reason}", reason=reason, group=self._name())
+            raise CollectiveAborted(f"{op} on group {self.label!r}: aborted by the alarm: "
+                                    f"{reason}", reason=reason, group=self.label)
         if self._closed:
-            raise CollectiveAborted(f"{op} on group {self._name()!r}: the group was shut down",
-                                    reason="shut down", group=self._name())
+            raise CollectiveAborted(f"{op} on group {self.label!r}: the group was shut down",
+                                    reason="shut down", group=self.label)
         if self._link.failure is not None:
             raise CollectiveAborted(
-                f"{op} on group {self._name()!r}: an earlier operation failed: "
-                f"{self._link.failure}", reason=str(self._link.failure), group=self._name(),
+                f"{op} on group {self.label!r}: an earlier operation failed: "
+                f"{self._link.failure}", reason=str(self._link.failure), group=self.label,
             ) from self._link.failure
 
     def note_failure(self, error: BaseException) -> None:
@@ -367,7 +254,7 @@ class MoverProcessGroup(NamedProcessGroup):
             return
         self._link.failure = error
         logger.warning("group %s: operation failed, group unusable from now on: %s",
-                       self._name(), error)
+                       self.label, error)
 
     # ------------------------------------------------------------------ abort and shutdown
 
@@ -375,12 +262,17 @@ class MoverProcessGroup(NamedProcessGroup):
         """Aborts this group alone: like an alarm, but only for this group."""
         if self._abort_reason is None:
             self._abort_reason = reason
-            logger.info("group %s aborted: %s", self._name(), reason)
-        self._on_alarm(reason)
+            logger.info("group %s aborted: %s", self.label, reason)
+        self.on_alarm(reason)
         alarm.wake_waiters()
 
-    def _on_alarm(self, reason: str) -> None:
-        """Aborts the NCCL communicator of an aborted group that has an operation in flight
+    @property
+    def uses_nccl(self) -> bool:
+        """Whether the group has an NCCL communicator (it was created where CUDA is)."""
+        return self._nccl is not None
+
+    def on_alarm(self, reason: str) -> None:
+        """Called by the alarm's listener (:mod:`mover_plugin.comm.live`). Aborts the NCCL communicator of an aborted group that has an operation in flight
         (an idle communicator blocks nobody and may be kept; gloo has nothing to abort: its
         waiters are woken by the alarm and leave)."""
         if not self.aborted:
@@ -392,7 +284,7 @@ class MoverProcessGroup(NamedProcessGroup):
             try:
                 nccl.abort()
             except Exception:
-                logger.exception("group %s: NCCL abort failed", self._name())
+                logger.exception("group %s: NCCL abort failed", self.label)
 
     def shutdown(self) -> None:
         """Releases the backends without waiting for operations abandoned after an abort.
@@ -403,7 +295,7 @@ class MoverProcessGroup(NamedProcessGroup):
         if self._closed:
             return
         self._closed = True
-        _live().groups.discard(self)
+        live.discard(self)
         with self._link.lock:
             self._link.users -= 1
             last_user = self._link.users == 0
@@ -414,7 +306,7 @@ class MoverProcessGroup(NamedProcessGroup):
         self._gloo = self._nccl = None
         if not last_user:
             logger.debug("group %s shut down; its gloo backend stays with %d other group(s)",
-                         self._name(), self._link.users)
+                         self.label, self._link.users)
             return
         if nccl is not None:
             try:
@@ -423,12 +315,12 @@ class MoverProcessGroup(NamedProcessGroup):
                 else:
                     nccl.shutdown()
             except Exception:
-                logger.exception("group %s: NCCL shutdown failed", self._name())
+                logger.exception("group %s: NCCL shutdown failed", self.label)
         backends = [b for b in (gloo, nccl) if b is not None]
         if pending:
-            logger.info("group %s shut down with %d operation(s) pending", self._name(),
+            logger.info("group %s shut down with %d operation(s) pending", self.label,
                         len(pending))
-        retired.retire(self._name(), backends, pending)
+        retired.retire(self.label, backends, pending)
 
     @property
     def timeout(self) -> timedelta:
@@ -457,34 +349,41 @@ class MoverProcessGroup(NamedProcessGroup):
             if self._closed:
                 self.check_usable(op)
             if self._gloo is None and self._nccl is None:
-                raise ValueError(f"{op}: group {self._name()!r} was created without "
+                raise ValueError(f"{op}: group {self.label!r} was created without "
                                  "connections of its own (a default group to be covered)")
-            raise ValueError(f"{op}: group {self._name()!r} has no communicator for "
+            raise ValueError(f"{op}: group {self.label!r} has no communicator for "
                              f"{device} tensors (no CUDA/NCCL when it was created)")
         return backend
 
     def _issue(self, op: str, tensor: Optional[torch.Tensor],
                calls: Callable[[Any], Sequence[dist.Work]], *,
                point_to_point: bool = False) -> AbortableWork:
-        self._latch_unseen_failure()
+        self._drop_completed()
         self.check_usable(op)
         backend = self._backend_for(tensor, op)
         stream_ordered = backend is self._nccl
-        pending = [observe(work, stream_ordered=stream_ordered, point_to_point=point_to_point)
+        communicator = backend if stream_ordered else None
+        pending = [observe(work, communicator=communicator, point_to_point=point_to_point)
                    for work in calls(backend)]
         with self._link.lock:
-            # Completed works are dropped here so that their tensors are not kept alive.
-            self._link.inflight = [item for item in self._link.inflight if not item.done()]
             self._link.inflight.extend(pending)
         return AbortableWork(self, pending, op, stream_ordered=stream_ordered)
 
-    def _latch_unseen_failure(self) -> None:
-        """An operation that failed with no wait to see it (gloo's connection reset, NCCL's
-        asynchronous error) makes the group unusable before the next one is issued."""
+    def _drop_completed(self) -> None:
+        """Forgets the completed operations (so that their tensors are not kept alive), each
+        looked at once: one that failed with no wait to see it (gloo's connection reset,
+        NCCL's asynchronous error) makes the group unusable before the next is issued."""
+        failure: Optional[BaseException] = None
         with self._link.lock:
-            failed = next((item.error() for item in self._link.inflight if _failed(item)), None)
-        if failed is not None:
-            self.note_failure(failed)
+            running = []
+            for item in self._link.inflight:
+                if not item.done():
+                    running.append(item)
+                elif failure is None:
+                    failure = item.error()
+            self._link.inflight = running
+        if failure is not None:
+            self.note_failure(failure)
 
     def _complete_alone(self, op: str, tensors: list[torch.Tensor]) -> AbortableWork:
         """``op`` in a group of one, where its result is its input: checked like any

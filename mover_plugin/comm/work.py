@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import ErrorType
 
 from mover_plugin.comm import alarm
 from mover_plugin.comm.context import WaitState, default_context
@@ -68,7 +69,8 @@ def waited_s() -> float:
 
 class _Observed:
     """One backend work, observed through ``done()`` and finished by ``finish()``; this base
-    asks the work itself (used for stream-ordered NCCL works)."""
+    asks the work itself whether it is done and knows no error of its own (a retired
+    backend's cancelled connection)."""
 
     def __init__(self, work: dist.Work) -> None:
         self.work = work
@@ -81,7 +83,9 @@ class _Observed:
         self.work.wait()
 
     def error(self) -> Optional[BaseException]:
-        return self.work.exception() if self.done() else None
+        """The error the work completed with; ``None`` while it runs or if it succeeded.
+        Never c10d's deprecated ``Work.exception()``, which warns once per process."""
+        return None
 
     def outputs(self) -> list[torch.Tensor]:
         """The operation's output tensors (once done)."""
@@ -104,11 +108,39 @@ class _Observed:
         alarm.wait_until(lambda: self.done() or not group.usable, group.epoch, seconds)
 
 
+class _StreamOrdered(_Observed):
+    """An NCCL work. Its failure is its communicator's: once NCCL reports an error there
+    (``get_error()``: a timeout, an asynchronous or a remote error), every work on it that
+    completed counts as failed, and the group is neither idle nor kept."""
+
+    def __init__(self, work: dist.Work, communicator: Any) -> None:
+        super().__init__(work)
+        self._communicator = communicator
+
+    def error(self) -> Optional[BaseException]:
+        if not self.done():
+            return None
+        state = self._communicator.get_error()
+        if state == ErrorType.SUCCESS:
+            return None
+        return dist.DistBackendError(f"NCCL communicator error: {state.name}")
+
+
 class _Sliced(_Observed):
     """A backend work whose ``wait(timeout)`` may time out and be repeated (gloo's
-    collectives): the waiting thread blocks in it, a slice at a time."""
+    collectives): the waiting thread blocks in it, a slice at a time. Its future holds its
+    outcome once it is done (gloo completes the future before the work)."""
 
     recheck_s = _SLICE_S
+
+    def error(self) -> Optional[BaseException]:
+        if not self.done():
+            return None
+        try:
+            self.work.get_future().value()
+        except Exception as error:  # the backend's own error, as the future holds it
+            return error
+        return None
 
     def block(self, group: "MoverProcessGroup", seconds: float) -> None:
         self.wait_slice(seconds)
@@ -184,10 +216,17 @@ def completed(outputs: list[torch.Tensor]) -> _Observed:
     return _Completed(outputs)
 
 
-def observe(work: dist.Work, *, stream_ordered: bool, point_to_point: bool = False) -> _Observed:
-    """Wraps a backend work in the observer that suits it (see the module docstring)."""
-    if stream_ordered:
-        return _Observed(work)
+def asked(work: dist.Work) -> _Observed:
+    """The observer that only asks ``work`` whether it is done."""
+    return _Observed(work)
+
+
+def observe(work: dist.Work, *, communicator: Any = None,
+            point_to_point: bool = False) -> _Observed:
+    """Wraps a backend work in the observer that suits it (see the module docstring):
+    ``communicator`` is the NCCL backend that issued it, ``None`` for gloo."""
+    if communicator is not None:
+        return _StreamOrdered(work, communicator)
     if point_to_point:
         return _Watched(work)
     try:
@@ -248,7 +287,7 @@ class AbortableWork(dist.Work):
 
     def source_rank(self) -> int:
         """For a receive from any source: the group rank it came from."""
-        return self._pending[0].work.source_rank()
+        return self._pending[0].work._source_rank()
 
     def result(self) -> list[torch.Tensor]:
         """The output tensors of the backend works, in order."""
