@@ -62,7 +62,8 @@ from mover_plugin.contract import (
     encode_notice,
 )
 from mover_plugin.devices import free_slot
-from mover_plugin.launch.config import FailureInjection, MigrationInjection, NodeSpec
+from mover_plugin.launch.faults import FailureInjection, MigrationInjection
+from mover_plugin.launch.hosts import NodeSpec
 from mover_plugin.launch.job_secret import JOB_SECRET_ENV, launch_secret
 from mover_plugin.launch.liveness import AgentBeat
 from mover_plugin.launch.local_process import Worker

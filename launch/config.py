@@ -12,96 +12,46 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import socket
 from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence, Union
 
-from mover_plugin.devices import (
-    HostGpus,
-    check_host_fits,
-    driver_gpu_count,
-    gpus_on_host,
-)
+from mover_plugin.devices import check_host_fits, driver_gpu_count, gpus_on_host
 from mover_plugin.errors import ConfigError
 from mover_plugin.runtime.settings import ResilienceSettings
-from mover_plugin.launch.hostfile import HostEntry, is_local_host, parse_hostfile
+from mover_plugin.launch.faults import (
+    FailureInjection,
+    MigrationInjection,
+    injection_argument,
+    migration_argument,
+)
+from mover_plugin.launch.flag_types import (
+    ErrorRaisingParser,
+    choice,
+    factor_above_one,
+    non_negative_float,
+    non_negative_int,
+    port_number,
+    positive_float,
+    positive_int,
+)
+from mover_plugin.launch.hosts import (
+    DEFAULT_MASTER_ADDR,
+    DEFAULT_MASTER_PORT,
+    NodeSpec,
+    local_gpus,
+    local_nodes,
+    nodes_of,
+    nodes_of_allocation,
+    slurm_allocation,
+    store_port,
+)
 from mover_plugin.launch.liveness import BEAT_PERIOD_S
-from mover_plugin.launch.slurm import SlurmAllocation, allocation_from_env
 
 POLICIES = ("restart", "resilient")
-DEFAULT_MASTER_PORT = 29500
-DEFAULT_MASTER_ADDR = "127.0.0.1"
 DEFAULT_AGENT_TIMEOUT_S = 2.0
 RUN_MODULE = "mover_plugin.launch.run"
 """The module every worker runs its script through (see ``LaunchConfig.worker_command``)."""
-
-
-@dataclass(frozen=True)
-class FailureInjection:
-    """Deliver ``signal`` to the worker holding global ``rank`` when it begins ``step``."""
-
-    rank: int
-    step: int
-    signal: int = signal.SIGKILL
-
-    @property
-    def signal_name(self) -> str:
-        return signal.Signals(self.signal).name
-
-    def spec(self) -> str:
-        return f"{self.rank}:{self.step}:{self.signal_name}"
-
-
-@dataclass(frozen=True)
-class MigrationInjection:
-    """Ask the controller to migrate global ``rank`` when its worker begins ``step``; with a
-    ``fault``, a process of the migration is killed (SIGKILL) at a set point of it:
-    ``joiner`` — the joiner, in phase 1 once its model is built; ``leaver`` — the leaving
-    process, in phase 2 once the hand-over group is open, before its state is sent;
-    ``stayer=S`` — rank S, in phase 2 right after it switched to the new groups; ``commit=S``
-    — rank S (any rank of the old generation), at its commit all-reduce once the switch notice
-    is there (it waits for it there), before it votes, so that no rank passes that commit; ``update=S`` — rank S, in the switch iteration
-    right after that all-reduce agreed on the switch, before its optimizer update."""
-
-    rank: int
-    step: int
-    fault: Optional[str] = None
-
-    def spec(self) -> str:
-        return f"{self.rank}:{self.step}" + (f":{self.fault}" if self.fault else "")
-
-    @property
-    def fault_rank(self) -> Optional[int]:
-        """The rank a ``stayer=S``, ``commit=S`` or ``update=S`` fault kills, if any."""
-        if self.fault is None or "=" not in self.fault:
-            return None
-        return int(self.fault.partition("=")[2])
-
-
-@dataclass(frozen=True)
-class NodeSpec:
-    """One host of the job: its node rank, name, worker count and first global rank; a spare
-    host has no worker and ``spare_slots`` standbys."""
-
-    node_rank: int
-    host: str
-    nproc: int
-    first_rank: int
-    spare_slots: int = 0
-
-    @property
-    def ranks(self) -> range:
-        return range(self.first_rank, self.first_rank + self.nproc)
-
-    @property
-    def spare(self) -> bool:
-        return self.spare_slots > 0
-
-    @property
-    def local_world_size(self) -> int:
-        """Processes of the job this host runs at most at once (its slots)."""
-        return self.spare_slots or self.nproc
 
 
 @dataclass(frozen=True)
@@ -229,7 +179,7 @@ def _address_argument(text: str) -> tuple[str, int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _ErrorRaisingParser(
+    parser = ErrorRaisingParser(
         prog="mover-launch",
         description="Run a distributed training script on local workers with torchrun's "
         "environment, a controller that outlives the ranks and a policy for failures.",
@@ -257,7 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--no_ssh", "--no-ssh", dest="no_ssh", action="store_true",
         help="Accepted for the deepspeed launcher's sake: mover-launch never uses ssh (each "
         "host runs its own mover-launch --node-rank N).")
-    add("--policy", default=None, type=_choice("--policy", POLICIES),
+    add("--policy", default=None, type=choice("--policy", POLICIES),
         help="What to do when a worker dies. restart: stop all workers, start all again; the "
         "script resumes from its latest checkpoint. resilient: a standby takes the lost rank's "
         "place in the running job (the script must run with --resilient, or a DeepSpeed "
@@ -280,12 +230,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--max-restarts", "--max_restarts", dest="max_restarts", type=non_negative_int,
         default=3, help="How many times the restart policy may restart the workers (default 3).")
     add("--inject-failure", dest="inject_failure", action="append", default=[],
-        type=_injection_argument, metavar="RANK:STEP[:SIGNAL]",
+        type=injection_argument, metavar="RANK:STEP[:SIGNAL]",
         help="Deliver SIGNAL (default SIGKILL) to global RANK when it begins STEP (1-based). "
         "Repeatable; each fires once. With standbys it fires only once every standby is "
         "ready: at STEP or, if they are not ready by then, at the first step after.")
     add("--inject-migration", dest="inject_migration", action="append", default=[],
-        type=_migration_argument, metavar="RANK:STEP[:FAULT]",
+        type=migration_argument, metavar="RANK:STEP[:FAULT]",
         help="Migrate global RANK to a standby when it begins STEP, as 'mover migrate --rank "
         "RANK' would (resilient policy). Repeatable; armed like --inject-failure. FAULT kills "
         "a process of the migration with SIGKILL: 'joiner' (in phase 1, once its model is "
@@ -293,27 +243,27 @@ def build_parser() -> argparse.ArgumentParser:
         "phase 2, right after it switched), 'commit=S' (rank S, at its commit all-reduce once "
         "it has the switch notice, before voting) or 'update=S' (rank S, in the switch iteration, "
         "right after that all-reduce).")
-    add("--slow-rank-factor", dest="slow_rank_factor", type=_factor, default=None,
+    add("--slow-rank-factor", dest="slow_rank_factor", type=factor_above_one, default=None,
         metavar="F", help="Migrate a rank to a standby when its busy time per step (the step "
         "minus its waits for peers) stays above F times the median of all ranks (resilient "
         "policy; off by default).")
     add("--slow-rank-steps", dest="slow_rank_steps", type=positive_int, default=None,
         metavar="N", help="... for N steps in a row (default 5).")
     add("--summary", default=None, metavar="PATH", help="Write a JSON run summary to PATH.")
-    add("--stop-grace-s", type=_positive_float, default=5.0,
+    add("--stop-grace-s", type=positive_float, default=5.0,
         help="Seconds between SIGTERM and SIGKILL when stopping workers (default 5).")
-    add("--exit-timeout-s", type=_positive_float, default=60.0,
+    add("--exit-timeout-s", type=positive_float, default=60.0,
         help="Seconds a rank's process may take to exit once every script on its host ended; "
              "then it is stopped, its rank done (default 60).")
-    add("--refill-delay-s", type=_non_negative_float, default=30.0,
+    add("--refill-delay-s", type=non_negative_float, default=30.0,
         help="Seconds after training resumed from a crash before the lost rank's host starts "
         "a standby to refill the pool, and after a ready standby exited before its host "
         "starts one in its place (default 30; resilient policy).")
-    add("--agent-timeout-s", type=_positive_float, default=None,
+    add("--agent-timeout-s", type=positive_float, default=None,
         help="Seconds without a heartbeat from a host's agent before the controller declares "
         "the host lost and recovers all its ranks (default 2, or half the workers' "
         "--resilient-failure-timeout-s if that is less; at least 0.5, and below it).")
-    add("--join-timeout-s", type=_positive_float, default=300.0,
+    add("--join-timeout-s", type=positive_float, default=300.0,
         help="Seconds to wait for every host's agent to join (default 300); with --join, for "
         "the controller to answer.")
     add("--join", default=None, type=_address_argument, metavar="ADDR:PORT",
@@ -353,20 +303,20 @@ def parse_launch_args(argv: Sequence[str], python: str,
                           "[script flags] (or --join ADDR:PORT to add this host to a running "
                           "job)")
     _apply_deepspeed_block(args)
-    slurm = _slurm_allocation(args, environ)
+    slurm = slurm_allocation(args, environ)
     if slurm is not None:
-        nodes = _nodes_of_allocation(args, slurm)
+        nodes = nodes_of_allocation(args, slurm)
         local, runs_controller = (slurm.node_rank,), slurm.node_rank == 0
         master_addr = slurm.hosts[0]
         master_port = slurm.port if args.master_port is None else args.master_port
     else:
-        nodes = _nodes(args)
-        local, runs_controller = _local_nodes(args, nodes)
+        nodes = nodes_of(args)
+        local, runs_controller = local_nodes(args, nodes)
         master_addr = args.master_addr or DEFAULT_MASTER_ADDR
-        master_port = _master_port(args, nodes, local)
+        master_port = store_port(args, nodes, local)
     world_size = sum(node.nproc for node in nodes)
     standbys = _standbys(args)
-    gpus = _local_gpus(args, environ, [nodes[n] for n in local], standbys)
+    gpus = local_gpus(args, environ, [nodes[n] for n in local], standbys)
     for flag, injections in (("--inject-failure", args.inject_failure),
                              ("--inject-migration", args.inject_migration)):
         for injection in injections:
@@ -411,68 +361,6 @@ def parse_launch_args(argv: Sequence[str], python: str,
         preflight=args.preflight,
         script_path=None if args.module else args.script,
         script_args=tuple(args.script_args),
-    )
-
-
-def parse_injection(text: str) -> FailureInjection:
-    """Parses ``RANK:STEP[:SIGNAL]``; SIGNAL is a name (``SIGKILL``, ``KILL``) or a number."""
-    parts = text.split(":")
-    if len(parts) not in (2, 3) or not all(part.isdigit() for part in parts[:2]):
-        raise ConfigError(f"{text!r} is not RANK:STEP[:SIGNAL] (e.g. 3:6 or 3:6:SIGSTOP)")
-    rank, step = int(parts[0]), int(parts[1])
-    if step < 1:
-        raise ConfigError(f"{text!r}: STEP must be 1 or more (steps count from 1)")
-    sig = _signal(parts[2], text) if len(parts) == 3 else signal.SIGKILL
-    return FailureInjection(rank, step, sig)
-
-
-def _injection_argument(text: str) -> FailureInjection:
-    try:
-        return parse_injection(text)
-    except ConfigError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-
-
-MIGRATION_FAULTS = ("joiner", "leaver", "stayer=S", "commit=S", "update=S")
-
-
-def _migration_argument(text: str) -> MigrationInjection:
-    parts = text.split(":")
-    if (len(parts) not in (2, 3) or not all(part.isdigit() for part in parts[:2])
-            or int(parts[1]) < 1):
-        raise argparse.ArgumentTypeError(f"{text!r} is not RANK:STEP[:FAULT] with STEP >= 1 "
-                                         "(e.g. 1:4 or 1:4:leaver)")
-    rank, step = int(parts[0]), int(parts[1])
-    fault = parts[2] if len(parts) == 3 else None
-    if fault is not None and not _is_migration_fault(fault, rank):
-        raise argparse.ArgumentTypeError(
-            f"fault {fault!r} in {text!r} is not one of {', '.join(MIGRATION_FAULTS)} (S: a "
-            f"rank; for stayer=S a staying one, not {rank})")
-    return MigrationInjection(rank, step, fault)
-
-
-def _is_migration_fault(fault: str, rank: int) -> bool:
-    if fault in ("joiner", "leaver"):
-        return True
-    name, _, value = fault.partition("=")
-    if name not in ("stayer", "commit", "update") or not value.isdigit():
-        return False
-    return name != "stayer" or int(value) != rank
-
-
-def _signal(name: str, text: str) -> int:
-    if name.isdigit():
-        number = int(name)
-        if number in {int(s) for s in signal.Signals}:
-            return number
-    else:
-        upper = name.upper()
-        upper = upper if upper.startswith("SIG") else "SIG" + upper
-        if upper in signal.Signals.__members__:
-            return int(signal.Signals[upper])
-    raise ConfigError(
-        f"{text!r}: unknown signal {name!r} (use a name like SIGKILL, SIGTERM, "
-        "SIGSTOP, SIGSEGV or its number)"
     )
 
 
@@ -547,16 +435,6 @@ def _apply_deepspeed_block(args: argparse.Namespace) -> None:
         args.standbys = block.standbys
 
 
-def _local_gpus(args: argparse.Namespace, environ: Mapping[str, str],
-                local: list[NodeSpec], standbys: int) -> HostGpus:
-    """This host's GPUs, once every local host's workers and standbys are known to fit."""
-    gpus = gpus_on_host(args.gpus_per_node, environ, driver_gpu_count)
-    for node in local:
-        check_host_fits(node.host, node.nproc, node.spare_slots if node.spare else standbys,
-                        gpus)
-    return gpus
-
-
 def _standbys(args: argparse.Namespace) -> int:
     if args.policy != "resilient":
         if args.standbys:
@@ -566,163 +444,3 @@ def _standbys(args: argparse.Namespace) -> int:
             )
         return 0
     return 1 if args.standbys is None else args.standbys
-
-
-def _nodes(args: argparse.Namespace) -> tuple[NodeSpec, ...]:
-    if args.hostfile is not None:
-        if args.nproc_per_node is not None or args.nnodes is not None:
-            raise ConfigError(
-                "--hostfile gives the hosts and their slots; do not combine it with "
-                "--nproc-per-node or --nnodes"
-            )
-        return _from_entries(_with_spares(parse_hostfile(args.hostfile), args))
-    nnodes = 1 if args.standalone else (args.nnodes or 1)
-    if args.standalone and args.nnodes not in (None, 1):
-        raise ConfigError(f"--standalone runs on one machine; --nnodes {args.nnodes} conflicts")
-    nproc = args.nproc_per_node or 1
-    host = args.master_addr or DEFAULT_MASTER_ADDR
-    return _from_entries(_with_spares([HostEntry(host, nproc)] * nnodes, args))
-
-
-HOST_FLAGS = ("hostfile", "nnodes", "node_rank", "master_addr", "standalone")
-"""The flags that say where the job's hosts are; without any, Slurm's variables may."""
-
-
-def _slurm_allocation(args: argparse.Namespace,
-                      environ: Mapping[str, str]) -> Optional[SlurmAllocation]:
-    if any(getattr(args, name) not in (None, False) for name in HOST_FLAGS):
-        return None
-    return allocation_from_env(environ)
-
-
-def _nodes_of_allocation(args: argparse.Namespace,
-                         slurm: SlurmAllocation) -> tuple[NodeSpec, ...]:
-    nproc = args.nproc_per_node or slurm.gpus_on_node or 1
-    return _from_entries(_with_spares([HostEntry(host, nproc) for host in slurm.hosts], args))
-
-
-def _with_spares(entries: Sequence[HostEntry], args: argparse.Namespace) -> list[HostEntry]:
-    """``entries`` with the last ``--spare-hosts`` of them marked spare; checks that some host
-    still runs workers and that spares come with the resilient policy."""
-    count = args.spare_hosts
-    if count >= len(entries) and count > 0:
-        raise ConfigError(f"--spare-hosts {count}: the job has {len(entries)} host(s); at least "
-                          "one must run workers")
-    marked = [HostEntry(e.host, e.slots, e.spare or i >= len(entries) - count)
-              for i, e in enumerate(entries)] if count else list(entries)
-    spares = [e for e in marked if e.spare]
-    if len(spares) == len(marked):
-        raise ConfigError("every host of the job is a spare host; at least one must run workers")
-    if spares and args.policy != "resilient":
-        raise ConfigError(f"spare host {spares[0].host!r} needs --policy resilient (a spare host "
-                          "runs standbys, which only the resilient policy uses)")
-    return marked
-
-
-def _from_entries(entries: Sequence[HostEntry]) -> tuple[NodeSpec, ...]:
-    nodes, first = [], 0
-    for node_rank, entry in enumerate(entries):
-        if entry.spare:
-            nodes.append(NodeSpec(node_rank, entry.host, 0, first, spare_slots=entry.slots))
-            continue
-        nodes.append(NodeSpec(node_rank, entry.host, entry.slots, first))
-        first += entry.slots
-    return tuple(nodes)
-
-
-def _local_nodes(
-    args: argparse.Namespace, nodes: tuple[NodeSpec, ...]
-) -> tuple[tuple[int, ...], bool]:
-    if args.node_rank is not None and args.node_rank >= len(nodes):
-        raise ConfigError(
-            f"--node-rank {args.node_rank} does not exist; the job has nodes 0..{len(nodes) - 1}"
-        )
-    if args.hostfile is None:
-        node_rank = args.node_rank or 0
-        return (node_rank,), node_rank == 0
-    if args.node_rank is not None:
-        # A host named by its rank runs its own agent only (node 0 also the controller).
-        return (args.node_rank,), args.node_rank == 0
-    local = tuple(n.node_rank for n in nodes if n.node_rank == 0 or is_local_host(n.host))
-    return local, True
-
-
-def _master_port(
-    args: argparse.Namespace, nodes: tuple[NodeSpec, ...], local: tuple[int, ...]
-) -> int:
-    port = 0 if args.standalone and args.master_port is None else args.master_port
-    port = DEFAULT_MASTER_PORT if port is None else port
-    if port == 0 and len(local) != len(nodes):
-        raise ConfigError(
-            "--master-port 0 (any free port) needs every host's agent started by this command; "
-            "give the port the other hosts should connect to"
-        )
-    return port
-
-
-class _ErrorRaisingParser(argparse.ArgumentParser):
-    """Raises :class:`ConfigError` instead of printing usage and exiting."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise ConfigError(message)
-
-
-def positive_int(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
-    return int(text)
-
-
-def non_negative_int(text: str) -> int:
-    if not text.isdigit():
-        raise argparse.ArgumentTypeError(f"{text!r} is not a non-negative integer")
-    return int(text)
-
-
-def port_number(text: str) -> int:
-    """argparse type of a TCP port (0: any free port)."""
-    if not text.isdigit() or int(text) > 65535:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (0..65535)")
-    return int(text)
-
-
-def _factor(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not value > 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number above 1 (a multiple of "
-                                         "the median busy time)")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds of at least 0")
-    return value
-
-
-def _choice(flag: str, choices: Sequence[str]):
-    def check(text: str) -> str:
-        if text not in choices:
-            raise argparse.ArgumentTypeError(
-                f"{text!r} is not a valid {flag}; valid: {', '.join(choices)}"
-            )
-        return text
-
-    return check

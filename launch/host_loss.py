@@ -45,7 +45,7 @@ from dataclasses import asdict, replace
 from typing import Mapping, Optional
 
 from mover_plugin.launch.attempts import Attempts
-from mover_plugin.launch.config import NodeSpec
+from mover_plugin.launch.hosts import NodeSpec
 from mover_plugin.launch.context import Context, Event, EventHandler, Unit
 from mover_plugin.launch.job_end import JobEnd
 from mover_plugin.launch.liveness import AgentWatch

@@ -36,7 +36,7 @@ from typing import Any, Optional, Sequence
 import torch.distributed as dist
 
 from mover_plugin.errors import ConfigError, MoverError
-from mover_plugin.launch.config import port_number
+from mover_plugin.launch.flag_types import port_number
 from mover_plugin.launch import plans, simulation
 from mover_plugin.launch.job_secret import operator_secret
 from mover_plugin.launch.jobs import find_job, secret_file

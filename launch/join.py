@@ -33,7 +33,8 @@ from typing import Any
 from mover_plugin.contract import COMMANDS_MAILBOX, EVENTS_MAILBOX
 from mover_plugin.errors import LaunchError
 from mover_plugin.launch.agent import Agent, AgentConfig
-from mover_plugin.launch.config import JoinConfig, NodeSpec
+from mover_plugin.launch.config import JoinConfig
+from mover_plugin.launch.hosts import NodeSpec
 from mover_plugin.launch.job_secret import operator_secret
 from mover_plugin.launch.jobs import secret_file
 from mover_plugin.launch.store_gate import CONTROL_TARGET, StoreRelay

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from mover_plugin.errors import ConfigError
-from mover_plugin.launch.config import non_negative_int, positive_int
+from mover_plugin.launch.flag_types import non_negative_int, positive_int
 from mover_plugin.templates import (
     Instantiation,
     Profile,

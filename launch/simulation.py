@@ -28,7 +28,7 @@ from typing import Any, Optional
 
 from mover_plugin import waste
 from mover_plugin.errors import ConfigError
-from mover_plugin.launch.config import non_negative_int, positive_int
+from mover_plugin.launch.flag_types import non_negative_int, positive_int
 
 SCALES = tuple(1024 * 2 ** i for i in range(8))
 """1K to 128K GPUs."""

@@ -38,7 +38,8 @@ from mover_plugin.contract import (
     switch_decision_key,
 )
 from mover_plugin.launch import controller as controller_module
-from mover_plugin.launch.config import LaunchConfig, NodeSpec
+from mover_plugin.launch.config import LaunchConfig
+from mover_plugin.launch.hosts import NodeSpec
 from mover_plugin.launch.context import Unit
 from mover_plugin.launch.controller import Controller, handler_table
 from mover_plugin.mailbox import Mailbox

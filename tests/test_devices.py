@@ -19,7 +19,8 @@ from mover_plugin.devices import (
 )
 from mover_plugin.errors import ConfigError
 from mover_plugin.launch.agent import Agent, AgentConfig
-from mover_plugin.launch.config import JoinConfig, NodeSpec, parse_launch_args
+from mover_plugin.launch.config import JoinConfig, parse_launch_args
+from mover_plugin.launch.hosts import NodeSpec
 
 
 def no_driver() -> int:

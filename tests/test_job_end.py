@@ -26,7 +26,7 @@ import torch.distributed as dist
 from gpt_jobs import LAUNCH, background_job, read_events, tagged_processes
 from mover_plugin.contract import EVENTS_MAILBOX
 from mover_plugin.launch.agent import Agent, AgentConfig
-from mover_plugin.launch.config import NodeSpec
+from mover_plugin.launch.hosts import NodeSpec
 from mover_plugin.launch.job_secret import JOB_SECRET_ENV
 from mover_plugin.launch.local_process import Worker
 from mover_plugin.mailbox import Mailbox

@@ -10,8 +10,8 @@ import pytest
 import torch.distributed as dist
 
 from mover_plugin.errors import ConfigError
-from mover_plugin.launch.config import (JoinConfig, MigrationInjection, parse_injection,
-                                        parse_launch_args)
+from mover_plugin.launch.config import JoinConfig, parse_launch_args
+from mover_plugin.launch.faults import MigrationInjection, parse_injection
 from mover_plugin.launch.hostfile import parse_hostfile
 from mover_plugin import mailbox
 from mover_plugin.mailbox import Mailbox

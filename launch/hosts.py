@@ -1,0 +1,153 @@
+"""The job's hosts, from the launcher's flags: a hostfile, ``--nnodes``/``--nproc-per-node``, or
+Slurm's variables; spare hosts; which hosts this command runs agents for; the store's port.
+
+Every check raises :class:`~mover_plugin.errors.ConfigError` before any process starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Mapping, Optional, Sequence
+
+from mover_plugin.devices import HostGpus, check_host_fits, driver_gpu_count, gpus_on_host
+from mover_plugin.errors import ConfigError
+from mover_plugin.launch.hostfile import HostEntry, is_local_host, parse_hostfile
+from mover_plugin.launch.slurm import SlurmAllocation, allocation_from_env
+
+DEFAULT_MASTER_PORT = 29500
+DEFAULT_MASTER_ADDR = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """One host of the job: its node rank, name, worker count and first global rank; a spare
+    host has no worker and ``spare_slots`` standbys."""
+
+    node_rank: int
+    host: str
+    nproc: int
+    first_rank: int
+    spare_slots: int = 0
+
+    @property
+    def ranks(self) -> range:
+        return range(self.first_rank, self.first_rank + self.nproc)
+
+    @property
+    def spare(self) -> bool:
+        return self.spare_slots > 0
+
+    @property
+    def local_world_size(self) -> int:
+        """Processes of the job this host runs at most at once (its slots)."""
+        return self.spare_slots or self.nproc
+
+
+def local_gpus(args: argparse.Namespace, environ: Mapping[str, str],
+                local: list[NodeSpec], standbys: int) -> HostGpus:
+    """This host's GPUs, once every local host's workers and standbys are known to fit."""
+    gpus = gpus_on_host(args.gpus_per_node, environ, driver_gpu_count)
+    for node in local:
+        check_host_fits(node.host, node.nproc, node.spare_slots if node.spare else standbys,
+                        gpus)
+    return gpus
+
+
+def nodes_of(args: argparse.Namespace) -> tuple[NodeSpec, ...]:
+    """The hosts from ``--hostfile``, or ``--nnodes`` copies of one host of ``--nproc-per-node``
+    slots (the last ``--spare-hosts`` of them spare)."""
+    if args.hostfile is not None:
+        if args.nproc_per_node is not None or args.nnodes is not None:
+            raise ConfigError(
+                "--hostfile gives the hosts and their slots; do not combine it with "
+                "--nproc-per-node or --nnodes"
+            )
+        return _from_entries(_with_spares(parse_hostfile(args.hostfile), args))
+    nnodes = 1 if args.standalone else (args.nnodes or 1)
+    if args.standalone and args.nnodes not in (None, 1):
+        raise ConfigError(f"--standalone runs on one machine; --nnodes {args.nnodes} conflicts")
+    nproc = args.nproc_per_node or 1
+    host = args.master_addr or DEFAULT_MASTER_ADDR
+    return _from_entries(_with_spares([HostEntry(host, nproc)] * nnodes, args))
+
+
+HOST_FLAGS = ("hostfile", "nnodes", "node_rank", "master_addr", "standalone")
+"""The flags that say where the job's hosts are; without any, Slurm's variables may."""
+
+
+def slurm_allocation(args: argparse.Namespace,
+                     environ: Mapping[str, str]) -> Optional[SlurmAllocation]:
+    """Slurm's allocation, where no flag names the hosts and Slurm's variables are set."""
+    if any(getattr(args, name) not in (None, False) for name in HOST_FLAGS):
+        return None
+    return allocation_from_env(environ)
+
+
+def nodes_of_allocation(args: argparse.Namespace,
+                        slurm: SlurmAllocation) -> tuple[NodeSpec, ...]:
+    """The hosts of a Slurm allocation, each with ``--nproc-per-node`` slots or its GPUs."""
+    nproc = args.nproc_per_node or slurm.gpus_on_node or 1
+    return _from_entries(_with_spares([HostEntry(host, nproc) for host in slurm.hosts], args))
+
+
+def _with_spares(entries: Sequence[HostEntry], args: argparse.Namespace) -> list[HostEntry]:
+    """``entries`` with the last ``--spare-hosts`` of them marked spare; checks that some host
+    still runs workers and that spares come with the resilient policy."""
+    count = args.spare_hosts
+    if count >= len(entries) and count > 0:
+        raise ConfigError(f"--spare-hosts {count}: the job has {len(entries)} host(s); at least "
+                          "one must run workers")
+    marked = [HostEntry(e.host, e.slots, e.spare or i >= len(entries) - count)
+              for i, e in enumerate(entries)] if count else list(entries)
+    spares = [e for e in marked if e.spare]
+    if len(spares) == len(marked):
+        raise ConfigError("every host of the job is a spare host; at least one must run workers")
+    if spares and args.policy != "resilient":
+        raise ConfigError(f"spare host {spares[0].host!r} needs --policy resilient (a spare host "
+                          "runs standbys, which only the resilient policy uses)")
+    return marked
+
+
+def _from_entries(entries: Sequence[HostEntry]) -> tuple[NodeSpec, ...]:
+    nodes, first = [], 0
+    for node_rank, entry in enumerate(entries):
+        if entry.spare:
+            nodes.append(NodeSpec(node_rank, entry.host, 0, first, spare_slots=entry.slots))
+            continue
+        nodes.append(NodeSpec(node_rank, entry.host, entry.slots, first))
+        first += entry.slots
+    return tuple(nodes)
+
+
+def local_nodes(
+    args: argparse.Namespace, nodes: tuple[NodeSpec, ...]
+) -> tuple[tuple[int, ...], bool]:
+    """The node ranks this command runs agents for, and whether it runs the controller."""
+    if args.node_rank is not None and args.node_rank >= len(nodes):
+        raise ConfigError(
+            f"--node-rank {args.node_rank} does not exist; the job has nodes 0..{len(nodes) - 1}"
+        )
+    if args.hostfile is None:
+        node_rank = args.node_rank or 0
+        return (node_rank,), node_rank == 0
+    if args.node_rank is not None:
+        # A host named by its rank runs its own agent only (node 0 also the controller).
+        return (args.node_rank,), args.node_rank == 0
+    local = tuple(n.node_rank for n in nodes if n.node_rank == 0 or is_local_host(n.host))
+    return local, True
+
+
+def store_port(
+    args: argparse.Namespace, nodes: tuple[NodeSpec, ...], local: tuple[int, ...]
+) -> int:
+    """The store's port: ``--master-port``, else 0 (any free one) with ``--standalone``, else
+    the default."""
+    port = 0 if args.standalone and args.master_port is None else args.master_port
+    port = DEFAULT_MASTER_PORT if port is None else port
+    if port == 0 and len(local) != len(nodes):
+        raise ConfigError(
+            "--master-port 0 (any free port) needs every host's agent started by this command; "
+            "give the port the other hosts should connect to"
+        )
+    return port
