@@ -38,38 +38,30 @@ def port_number(text: str) -> int:
     return int(text)
 
 
-def factor_above_one(text: str) -> float:
-    """argparse type: a number above 1 (a multiple of a median)."""
+def _number(text: str, valid: Callable[[float], bool], what: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        value = 0.0
-    if not value > 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number above 1 (a multiple of "
-                                         "the median busy time)")
+        value = float("nan")  # valid for no check
+    if not valid(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
     return value
+
+
+def factor_above_one(text: str) -> float:
+    """argparse type: a number above 1 (a multiple of a median)."""
+    return _number(text, lambda value: value > 1,
+                   "a number above 1 (a multiple of the median busy time)")
 
 
 def positive_float(text: str) -> float:
     """argparse type: seconds above 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
-    return value
+    return _number(text, lambda value: value > 0, "a positive number of seconds")
 
 
 def non_negative_float(text: str) -> float:
     """argparse type: seconds of 0 or more."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds of at least 0")
-    return value
+    return _number(text, lambda value: value >= 0, "a number of seconds of at least 0")
 
 
 def choice(flag: str, choices: Sequence[str]) -> Callable[[str], str]:
