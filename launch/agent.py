@@ -59,6 +59,7 @@ from mover_plugin.contract import (
     NOTICE_FD_ENV,
     PROGRESS_FD_ENV,
     STANDBY_ID_ENV,
+    command_problem,
     encode_notice,
 )
 from mover_plugin.devices import free_slot
@@ -208,16 +209,21 @@ class Agent:
     # -- commands -------------------------------------------------------------------------
 
     def _obey(self, command: dict[str, Any]) -> Optional[int]:
+        problem = command_problem(command)
+        if problem is not None:
+            logger.error("node %d ignores a command it cannot obey: %s",
+                         self.config.node.node_rank, problem)
+            return None
         op = command["op"]
         if op == "start":
             self._generation = command["generation"]
-            placed = command.get("ranks", {}).get(str(self.config.node.node_rank))
+            placed = command["ranks"].get(str(self.config.node.node_rank))
             self._start_workers(command["attempt"],
                                 list(self.config.node.ranks) if placed is None else placed)
         elif op == "arm":
             self._armed = True
         elif op == "promote":
-            self._promote(command["standby"], command["rank"], command.get("migration", False))
+            self._promote(command["standby"], command["rank"], command["migration"])
         elif op == "notice":
             self._relay(command)
         elif op == "cancel_promotion":

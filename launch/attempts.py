@@ -69,8 +69,8 @@ class Attempts(Unit):
                                                              range(ctx.config.world_size)})
         ctx.attempt.store = ctx.host_attempt_store(attempt)
         del previous  # the old attempt's workers are gone; its store can close
-        ctx.post({"op": "start", "attempt": attempt, "generation": ctx.job.generation,
-                  "ranks": {str(node): ranks for node, ranks in placement.items()}})
+        ctx.command("start", attempt=attempt, generation=ctx.job.generation,
+                    ranks={str(node): ranks for node, ranks in placement.items()})
         self._arm_when_provisioned()
         ctx.record("attempt_start", "job", attempt=attempt)
         logger.info("attempt %d: starting %d workers", attempt, ctx.config.world_size)
@@ -152,7 +152,7 @@ class Attempts(Unit):
         ctx.store.set(standbys_ready_key(ctx.attempt.number), "1")
         if not self._armed:
             self._armed = True
-            ctx.post({"op": "arm"})
+            ctx.command("arm")
 
     # -- the standby pool -------------------------------------------------------------------
 

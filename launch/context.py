@@ -35,6 +35,7 @@ from mover_plugin.contract import (
     LAYOUT_KEY,
     NOTICE_KINDS,
     TEMPLATES_KEY,
+    make_command,
     plan_key,
     promotion_key,
     stage_profile_key,
@@ -179,14 +180,14 @@ class Context:
         fields.setdefault("generation", self.job.generation)
         self.log.write(event, phase, **fields)
 
-    def post(self, command: dict[str, Any]) -> None:
-        """A command to the agents."""
-        self.commands.post(command)
+    def command(self, op: str, **fields: Any) -> None:
+        """Sends the agents the command ``op`` (see :data:`mover_plugin.contract.COMMANDS`)."""
+        self.commands.post(make_command(op, **fields))
 
     def notify(self, generation: int, kind: str, **fields: Any) -> None:
         """A notice to generation ``generation``'s processes (the agents relay it)."""
         assert kind in NOTICE_KINDS, kind
-        self.post({"op": "notice", "generation": generation, "kind": kind, **fields})
+        self.command("notice", generation=generation, kind=kind, **fields)
 
     def host_attempt_store(self, attempt: int) -> dist.TCPStore:
         """A fresh rendezvous store for attempt ``attempt``, on this host's loopback, that
@@ -217,7 +218,7 @@ class Context:
         """Goes back to ``generation`` (a planned one was called off) and tells the agents."""
         self.job.generation = generation
         self.store.set(CURRENT_GENERATION_KEY, str(generation))
-        self.post({"op": "generation", "generation": generation})
+        self.command("generation", generation=generation)
 
     def promote(self, plan: list[Replacement], *, migration: bool) -> None:
         """Hands each planned rank to its standby (the agents relabel the processes) and moves
@@ -228,10 +229,9 @@ class Context:
             self.store.set(promotion_key(item.standby),
                            json.dumps({"rank": item.rank, "generation": self.job.generation,
                                        "migration": migration}))
-            self.post({"op": "promote", "standby": item.standby, "rank": item.rank,
-                       "migration": migration})
+            self.command("promote", standby=item.standby, rank=item.rank, migration=migration)
             self.job.node_of_rank[item.rank] = item.node
-        self.post({"op": "generation", "generation": self.job.generation})
+        self.command("generation", generation=self.job.generation)
 
     def layout(self) -> Optional[ParallelLayout]:
         """The parallel layout rank 0 published; None before the workers trained."""

@@ -201,7 +201,7 @@ class Controller:
         """Ends the job: a migration still in progress fails or completes, the agents finish
         (or abort), the summary and the event log are closed."""
         self._migrations.end_of_job()
-        self._ctx.post({"op": "finish" if exit_code == 0 else "abort"})
+        self._ctx.command("finish" if exit_code == 0 else "abort")
         self.summary.finished_at = time.time()
         self.summary.exit_code = exit_code
         self._ctx.record("job_end", "job", exit_code=exit_code)

@@ -35,8 +35,9 @@ class MigrationInjection:
     process, in phase 2 once the hand-over group is open, before its state is sent;
     ``stayer=S`` — rank S, in phase 2 right after it switched to the new groups; ``commit=S``
     — rank S (any rank of the old generation), at its commit all-reduce once the switch notice
-    is there (it waits for it there), before it votes, so that no rank passes that commit; ``update=S`` — rank S, in the switch iteration
-    right after that all-reduce agreed on the switch, before its optimizer update."""
+    is there (it waits for it there), before it votes, so that no rank passes that commit;
+    ``update=S`` — rank S, in the switch iteration right after that all-reduce agreed on the
+    switch, before its optimizer update."""
 
     rank: int
     step: int

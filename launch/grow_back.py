@@ -136,7 +136,7 @@ class GrowBack(Unit):
         one is skipped: its namespace is never reused)."""
         ctx = self._ctx
         for item in growing.plan:
-            ctx.post({"op": "cancel_promotion", "standby": item.standby, "rank": item.rank})
+            ctx.command("cancel_promotion", standby=item.standby, rank=item.rank)
             self._abandoned.add(item.standby)
         ctx.job.membership, ctx.job.node_of_rank = growing.membership, growing.node_of_rank
         ctx.restore_generation(growing.generation)

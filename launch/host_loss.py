@@ -79,18 +79,17 @@ class HostLoss(Unit):
         ctx, host, slots = self._ctx, event["host"], event["slots"]
         reason = self._join_refusal(slots)
         if reason is not None:
-            ctx.post({"op": "join_refused", "token": event["token"], "reason": reason})
+            ctx.command("join_refused", token=event["token"], reason=reason)
             ctx.record("join_refused", "pool", node=None, host=host, reason=reason)
             logger.warning("host %s (pid %d) asked to join: %s", host, event["pid"], reason)
             return None
         spec = self._node_for(host, slots)
         ctx.job.admitted_nodes.add(spec.node_rank)
         config = ctx.config
-        ctx.post({"op": "admit", "token": event["token"], "node": asdict(spec),
-                  "world_size": config.world_size, "command": list(config.worker_command),
-                  "standbys": config.standbys_of(spec), "stop_grace_s": config.stop_grace_s,
-                  "exit_timeout_s": config.exit_timeout_s,
-                  "report_busy": config.report_busy})
+        ctx.command("admit", token=event["token"], node=asdict(spec), world_size=config.world_size,
+                    command=list(config.worker_command), standbys=config.standbys_of(spec),
+                    stop_grace_s=config.stop_grace_s, exit_timeout_s=config.exit_timeout_s,
+                    report_busy=config.report_busy)
         ctx.record("host_admitted", "pool", node=spec.node_rank, host=host, slots=slots)
         logger.info("host %s asked to join: admitted as node %d", host, spec.node_rank)
         return None
@@ -138,8 +137,8 @@ class HostLoss(Unit):
         # A host admitted just before the job began to end joins with no standby to start.
         slots = 0 if ctx.attempt.ending else ctx.config.nodes[node].local_world_size
         standbys = self._attempts.add_spare_host(node, slots)
-        ctx.post({"op": "rejoin", "node": node, "attempt": ctx.attempt.number,
-                  "generation": ctx.job.generation, "standbys": standbys})
+        ctx.command("rejoin", node=node, attempt=ctx.attempt.number, generation=ctx.job.generation,
+                    standbys=standbys)
         ctx.record("host_joined", "pool", node=node, host=event["host"], standbys=standbys)
         logger.info("host %s (node %d) is back: a spare host with standbys %s", event["host"],
                     node, ", ".join(standbys))
@@ -161,7 +160,7 @@ class HostLoss(Unit):
                    last_seen=last_seen)
         logger.error("host %s (node %d) lost: %s; its ranks: %s", host, node, how,
                      ranks or "none")
-        ctx.post({"op": "fence", "node": node})
+        ctx.command("fence", node=node)
         self._attempts.drop_node(node)
         exit_code = self._job_end.check()
         if exit_code is not None:

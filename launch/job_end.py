@@ -57,7 +57,7 @@ class JobEnd(Unit):
                 refill.stopped_at = now
         attempt.pool.hosts.clear()
         attempt.refilling.clear()
-        ctx.post({"op": "wind_down", "attempt": attempt.number})
+        ctx.command("wind_down", attempt=attempt.number)
         ctx.record("job_ending", "job", when=now, rank=rank, standbys_stopped=standbys,
                    refills_stopped=refills)
         logger.info("rank %d finished training: the job is ending; its standbys are stopped",

@@ -3,8 +3,9 @@
 Each ``mover-launch`` that runs a controller writes a small JSON file naming its control
 store's address and port into this user's job folder (``$XDG_RUNTIME_DIR/mover_plugin/jobs``,
 or ``/tmp/mover_plugin-<uid>/jobs``), and the job's secret into a file beside it that only the
-user can read (:mod:`mover_plugin.launch.job_secret`); both go when the job ends. A file whose launcher
-process is gone (killed before it could clean up) is ignored and removed by the next reader.
+user can read (:mod:`mover_plugin.launch.job_secret`); both go when the job ends. A file
+whose launcher process is gone (killed before it could clean up) is ignored and removed by
+the next reader.
 """
 
 from __future__ import annotations

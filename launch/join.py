@@ -30,7 +30,7 @@ import secrets
 import time
 from typing import Any
 
-from mover_plugin.contract import COMMANDS_MAILBOX, EVENTS_MAILBOX
+from mover_plugin.contract import COMMANDS_MAILBOX, EVENTS_MAILBOX, command_problem
 from mover_plugin.errors import LaunchError
 from mover_plugin.launch.agent import Agent, AgentConfig
 from mover_plugin.launch.config import JoinConfig
@@ -81,7 +81,8 @@ def _ask_to_join(store: Any, config: JoinConfig) -> dict[str, Any]:
     deadline = time.monotonic() + config.join_timeout_s
     while time.monotonic() < deadline:
         for command in commands.poll():
-            if command.get("op") in ("admit", "join_refused") and command.get("token") == token:
+            if (command_problem(command) is None and command["op"] in ("admit", "join_refused")
+                    and command["token"] == token):
                 return command
         time.sleep(ANSWER_POLL_S)
     raise LaunchError(f"--join {config.master_addr}:{config.master_port}: the controller did "

@@ -313,7 +313,7 @@ class Migrations(Unit):
         # Ranks that ended the switch iteration wait for this decision (none in phase 1).
         ctx.store.set(switch_decision_key(migration.generation), SWITCH_CANCEL)
         for item in migration.plan:
-            ctx.post({"op": "cancel_promotion", "standby": item.standby, "rank": item.rank})
+            ctx.command("cancel_promotion", standby=item.standby, rank=item.rank)
         ctx.job.membership, ctx.job.node_of_rank = migration.before
         ctx.restore_generation(migration.old_generation)
         if ctx.job.interruption is migration.interruption:
@@ -326,9 +326,8 @@ class Migrations(Unit):
         """Phase 2 failed: the leavers and joiners of ranks not yet handed over are stopped."""
         for item in migration.plan:
             if item.rank not in migration.handed_over:
-                self._ctx.post({"op": "discard_leaver", "rank": item.rank})
-                self._ctx.post({"op": "cancel_promotion", "standby": item.standby,
-                                "rank": item.rank})
+                self._ctx.command("discard_leaver", rank=item.rank)
+                self._ctx.command("cancel_promotion", standby=item.standby, rank=item.rank)
         self._end(ok=False, error=f"abandoned: {reason}")
         logger.warning("migration abandoned: %s", reason)
 

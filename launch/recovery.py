@@ -169,8 +169,8 @@ class CrashRecovery(Unit):
         ctx.job.membership = ctx.job.membership.without(lost)
         old = ctx.plan_generation(record)
         ctx.notify(old, "alarm", reason=f"rank {interruption.rank} lost")
-        ctx.post({"op": "drop", "ranks": lost})
-        ctx.post({"op": "generation", "generation": ctx.job.generation})
+        ctx.command("drop", ranks=lost)
+        ctx.command("generation", generation=ctx.job.generation)
         now = time.time()
         interruption.recovery = "shrink"
         interruption.plan = record["describe"]
@@ -245,7 +245,7 @@ class CrashRecovery(Unit):
             return 1
         if self._attempts.placement() is None:
             return self._attempts.cannot_place()
-        ctx.post({"op": "stop", "attempt": ctx.attempt.number})
+        ctx.command("stop", attempt=ctx.attempt.number)
         return None
 
     def _on_worker_exit(self, event: Event) -> Optional[int]:

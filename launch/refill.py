@@ -109,8 +109,7 @@ class StandbyRefill(Unit):
             attempt.refilling[standby] = node
             now = time.time()
             ctx.summary.refills.append(Refill(standby=standby, node=node, requested_at=now))
-            ctx.post({"op": "refill", "attempt": attempt.number, "node": node,
-                      "standby": standby})
+            ctx.command("refill", attempt=attempt.number, node=node, standby=standby)
             ctx.record("standby_refill", "pool", when=now, standby=standby, node=node,
                        pool=len(attempt.pool))
             logger.info("refilling the standby pool: standby %s on node %d", standby, node)

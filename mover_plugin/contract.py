@@ -43,13 +43,18 @@ agents and workers post to the controller, each kind with the fields it carries.
 **Events** form a closed set (:data:`EVENTS`): each kind names the fields it must carry and
 their JSON types. :func:`event_problem` says what is wrong with an event that the controller
 must not act on (an unknown kind, a missing field, a field of the wrong type).
+
+**Commands** (controller to agents, and to a host asking to join) form a closed set too
+(:data:`COMMANDS`): the controller builds each with :func:`make_command`, which refuses an
+unknown ``op`` or a missing or mistyped field, and an agent ignores (and logs) a command
+:func:`command_problem` finds fault with.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Mapping, Optional, TypeVar, Union
 
 # -- environment of a process started by an agent ---------------------------------------------
 
@@ -221,18 +226,33 @@ EVENTS: Mapping[str, EventSchema] = {
 
 def event_problem(event: Any) -> Optional[str]:
     """What makes ``event`` one the controller must not act on, or None when it is valid."""
-    if not isinstance(event, dict):
-        return f"an event must be a JSON object, got {type(event).__name__}"
-    kind = event.get("kind")
-    schema = EVENTS.get(kind) if isinstance(kind, str) else None
-    if schema is None:
-        return f"unknown event kind {kind!r}"
+    schema = _schema(event, "kind", EVENTS, "an event", "event kind")
+    if isinstance(schema, str):
+        return schema
     required = {**ENVELOPE, **({"node": int} if schema.from_agent else {}), **schema.required}
+    return _fields_problem(f"{event['kind']} event", event, required)
+
+
+Schema = TypeVar("Schema")
+
+
+def _schema(message: Any, key: str, schemas: Mapping[str, Schema], a_message: str,
+            name: str) -> Union[Schema, str]:
+    """The schema of ``message`` (named by its field ``key``), or what is wrong with it."""
+    if not isinstance(message, dict):
+        return f"{a_message} must be a JSON object, got {type(message).__name__}"
+    value = message.get(key)
+    schema = schemas.get(value) if isinstance(value, str) else None
+    return f"unknown {name} {value!r}" if schema is None else schema
+
+
+def _fields_problem(what: str, message: Mapping[str, Any],
+                    required: Mapping[str, JsonType]) -> Optional[str]:
     for name, expected in required.items():
-        if name not in event:
-            return f"{kind} event without its field {name!r}"
-        if not _is_json_type(event[name], expected):
-            return (f"{kind} event: field {name!r} is {type(event[name]).__name__}, "
+        if name not in message:
+            return f"{what} without its field {name!r}"
+        if not _is_json_type(message[name], expected):
+            return (f"{what}: field {name!r} is {type(message[name]).__name__}, "
                     f"expected {_type_names(expected)}")
     return None
 
@@ -247,3 +267,70 @@ def _is_json_type(value: Any, expected: JsonType) -> bool:
 def _type_names(expected: JsonType) -> str:
     types = expected if isinstance(expected, tuple) else (expected,)
     return " or ".join("null" if t is type(None) else t.__name__ for t in types)
+
+
+# -- commands: the controller to the agents -------------------------------------------------------
+
+LIST: tuple[type, ...] = (list, tuple)
+"""A JSON array (a tuple is one once encoded)."""
+
+
+@dataclass(frozen=True)
+class CommandSchema:
+    """The fields a command carries besides its ``op``, with their JSON types; ``open``: it
+    may carry more (a notice's own fields, which the agent relays as they are)."""
+
+    required: Mapping[str, JsonType] = field(default_factory=dict)
+    open: bool = False
+
+
+COMMANDS: Mapping[str, CommandSchema] = {
+    # an attempt: its workers, and when they may start their first step
+    "start": CommandSchema({"attempt": int, "generation": int, "ranks": dict}),
+    "arm": CommandSchema(),
+    "stop": CommandSchema({"attempt": int}),
+    # a generation's processes
+    "generation": CommandSchema({"generation": int}),
+    "notice": CommandSchema({"generation": int, "kind": str}, open=True),
+    "promote": CommandSchema({"standby": str, "rank": int, "migration": bool}),
+    "cancel_promotion": CommandSchema({"standby": str, "rank": int}),
+    "discard_leaver": CommandSchema({"rank": int}),
+    "drop": CommandSchema({"ranks": LIST}),
+    # the standby pool and the hosts
+    "refill": CommandSchema({"attempt": int, "node": int, "standby": str}),
+    "admit": CommandSchema({"token": str, "node": dict, "world_size": int, "command": LIST,
+                            "standbys": int, "stop_grace_s": NUMBER,
+                            "exit_timeout_s": NUMBER, "report_busy": bool}),
+    "join_refused": CommandSchema({"token": str, "reason": str}),
+    "rejoin": CommandSchema({"node": int, "attempt": int, "generation": int,
+                             "standbys": LIST}),
+    "fence": CommandSchema({"node": int}),
+    # the end of the job
+    "wind_down": CommandSchema({"attempt": int}),
+    "finish": CommandSchema(),
+    "abort": CommandSchema(),
+}
+"""Every command the controller sends."""
+
+
+def command_problem(command: Any) -> Optional[str]:
+    """What makes ``command`` one an agent must not obey, or None when it is valid."""
+    schema = _schema(command, "op", COMMANDS, "a command", "command")
+    if isinstance(schema, str):
+        return schema
+    op = command["op"]
+    problem = _fields_problem(f"{op} command", command, schema.required)
+    if problem is None and not schema.open:
+        extra = sorted(set(command) - set(schema.required) - {"op"})
+        if extra:
+            return f"{op} command: unknown field(s) {', '.join(map(repr, extra))}"
+    return problem
+
+
+def make_command(op: str, **fields: Any) -> dict[str, Any]:
+    """The command ``op`` with ``fields``; raises ``ValueError`` naming what is wrong."""
+    command = {"op": op, **fields}
+    problem = command_problem(command)
+    if problem is not None:
+        raise ValueError(problem)
+    return command

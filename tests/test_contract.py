@@ -4,12 +4,21 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 from pathlib import Path
 from typing import Optional
 
 import pytest
 
-from mover_plugin.contract import EVENTS, NOTICE_KINDS, encode_notice, event_problem
+from mover_plugin.contract import (
+    COMMANDS,
+    EVENTS,
+    NOTICE_KINDS,
+    command_problem,
+    encode_notice,
+    event_problem,
+    make_command,
+)
 
 
 def agent_event(kind: str, **fields):
@@ -109,3 +118,63 @@ def test_a_notice_is_one_json_line():
     line = encode_notice({"generation": 2, "kind": NOTICE_KINDS[0], "reason": "rank 3 lost"})
     assert line.endswith(b"\n") and line.count(b"\n") == 1
     assert json.loads(line) == {"generation": 2, "kind": "alarm", "reason": "rank 3 lost"}
+
+
+@pytest.mark.parametrize("command", [
+    make_command("start", attempt=0, generation=0, ranks={"0": [0, 1]}),
+    make_command("promote", standby="a0.n0.s0", rank=3, migration=False),
+    make_command("notice", generation=2, kind="alarm", reason="rank 3 lost"),
+    make_command("drop", ranks=(1, 2)),
+    make_command("finish"),
+])
+def test_commands_as_the_controller_makes_them_survive_json(command):
+    assert command_problem(json.loads(json.dumps(command))) is None
+
+
+@pytest.mark.parametrize("command, problem", [
+    ({"op": "launch"}, "unknown command 'launch'"),
+    ({"attempt": 1}, "unknown command None"),
+    ("stop", "a command must be a JSON object, got str"),
+    ({"op": "stop"}, "stop command without its field 'attempt'"),
+    ({"op": "promote", "standby": "s", "rank": "3", "migration": False},
+     "promote command: field 'rank' is str, expected int"),
+    ({"op": "fence", "node": 1, "reason": "x"}, "fence command: unknown field(s) 'reason'"),
+])
+def test_an_unknown_or_malformed_command_is_named_with_what_is_wrong(command, problem):
+    assert command_problem(command) == problem
+    if isinstance(command, dict) and isinstance(command.get("op"), str):
+        with pytest.raises(ValueError, match=re.escape(problem)):
+            make_command(**command)
+
+
+def command_sites() -> list[tuple[str, str, Optional[set[str]]]]:
+    """(where, op, fields) for every ``.command("op", ...)`` call of the launcher with a literal
+    op; an ``op`` chosen by an expression counts each literal it may take (``a if c else b``)."""
+    sites = []
+    for source in ROOT.joinpath("launch").glob("*.py"):
+        tree = ast.parse(source.read_text(), filename=str(source))
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Call) and _called_name(node) == "command"
+                    and node.args):
+                continue
+            where = f"{source.relative_to(ROOT)}:{node.lineno}"
+            names = [k.arg for k in node.keywords]
+            fields = None if None in names else set(names)
+            first = node.args[0]
+            choices = [first.body, first.orelse] if isinstance(first, ast.IfExp) else [first]
+            for choice in choices:
+                assert isinstance(choice, ast.Constant), f"{where}: op is not a literal"
+                sites.append((where, choice.value, fields))
+    return sites
+
+
+def test_every_command_the_controller_sends_is_in_the_contract_with_its_fields():
+    sites = command_sites()
+    unknown = [(where, op) for where, op, _ in sites if op not in COMMANDS]
+    assert not unknown, f"sent but not in mover_plugin.contract.COMMANDS: {unknown}"
+    wrong = [(where, op, sorted(fields ^ set(COMMANDS[op].required)))
+             for where, op, fields in sites if fields is not None
+             and fields != set(COMMANDS[op].required)]
+    assert not wrong, f"sent with other fields than the contract's: {wrong}"
+    never_sent = set(COMMANDS) - {op for _, op, _ in sites}
+    assert not never_sent, f"in the contract but sent nowhere: {sorted(never_sent)}"

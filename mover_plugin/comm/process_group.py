@@ -96,13 +96,13 @@ class MoverProcessGroup(NamedProcessGroup):
             carries, see :class:`mover_plugin.comm.world.WorldGroup`).
 
     A gloo backend connects each member to its ring neighbours at creation and other pairs on
-    first use (see :func:`~mover_plugin.comm.connections.make_gloo`). Groups whose members are the same ranks in the same
-    order may share one gloo backend (``share_with``: a group to share with, if
-    :meth:`can_share_with` allows; the ``mover`` backend and the delta pass one): every
-    member issues their operations in one program order, so one backend carries them in that
-    order, and a group's replacement costs one backend per distinct set of members. Groups
-    with NCCL never share. Set the class attribute :attr:`c10d_gloo` to build every group's
-    gloo backend as c10d does: its own, connecting every pair at creation.
+    first use (see :func:`~mover_plugin.comm.connections.make_gloo`). Groups whose members are
+    the same ranks in the same order may share one gloo backend (``share_with``: a group to
+    share with, if :meth:`can_share_with` allows; the ``mover`` backend and the delta pass
+    one): every member issues their operations in one program order, so one backend carries
+    them in that order, and a group's replacement costs one backend per distinct set of
+    members. Groups with NCCL never share. Set the class attribute :attr:`c10d_gloo` to build
+    every group's gloo backend as c10d does: its own, connecting every pair at creation.
     """
 
     backend_name = BACKEND_NAME
@@ -272,9 +272,10 @@ class MoverProcessGroup(NamedProcessGroup):
         return self._nccl is not None
 
     def on_alarm(self, reason: str) -> None:
-        """Called by the alarm's listener (:mod:`mover_plugin.comm.live`). Aborts the NCCL communicator of an aborted group that has an operation in flight
-        (an idle communicator blocks nobody and may be kept; gloo has nothing to abort: its
-        waiters are woken by the alarm and leave)."""
+        """Called by the alarm's listener (:mod:`mover_plugin.comm.live`). Aborts the NCCL
+        communicator of an aborted group that has an operation in flight (an idle communicator
+        blocks nobody and may be kept; gloo has nothing to abort: its waiters are woken by the
+        alarm and leave)."""
         if not self.aborted:
             return  # created after the alarm: belongs to the next generation
         nccl = self._nccl

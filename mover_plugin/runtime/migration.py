@@ -116,7 +116,7 @@ class MigrationParticipant:
         delta = preparation.result()
         runtime.advance_generation(generation)
         # The step that just ended is reported in the old generation; the next one in this.
-        replaced = runtime.install_groups(delta)
+        replaced = runtime.groups.install(delta)
         runtime.control.post("switched", rank=runtime.rank, role="stayer", time=time.time(),
                              switch_s=time.time() - started, references=replaced,
                              rebuilt=len(delta.replacements), kept=len(delta.kept))
@@ -128,7 +128,7 @@ class MigrationParticipant:
         store connection of its own, and a hand-over that cannot complete (its joiner was lost,
         even before connecting) never holds up a cancelled migration. Returns the thread and
         an event it sets once the state was delivered."""
-        tensors, blob = self._runtime.outgoing_state()
+        tensors, blob = self._runtime.transfer.outgoing()
         control, delivered = self._runtime.control.clone(), threading.Event()
         thread = threading.Thread(target=self._hand_over,
                                   args=(control, generation, tensors, blob, delivered),

@@ -13,17 +13,18 @@ hands itself to a :class:`ResilienceRuntime`, which holds everything else:
   group with the framework's groups (:mod:`mover_plugin.comm.world`), so a joiner's default
   group has no connections of its own and no rank ever rebuilds one.
 - **The step.** :meth:`ResilienceRuntime.run_step` runs one training iteration. When a peer is
-  lost (the controller's alarm aborts the collective this rank waits in, or arrives just after
-  a communication error; an error with no alarm is the training code's own and is re-raised,
+  lost (the controller's alarm aborts the collective this rank waits in, or arrives just after a
+  communication error; an error with no alarm is the training code's own and is re-raised,
   :mod:`mover_plugin.runtime.exits`), the survivor leaves the step, switches to the next
   generation — only the groups that contain the lost rank, or that some member left in the
   middle of an operation, are rebuilt (:mod:`mover_plugin.comm.delta`), and every cached
-  reference to them is rewritten — and the adapter brings it to the iteration all ranks continue from; the runtime then sends each
-  joiner its state from the live rank the adapter names. An iteration that spans several
-  calls of the training script (a DeepSpeed data-parallel engine's ``forward``, ``backward``
-  and ``step``) runs through the parts of ``run_step`` instead: :meth:`ResilienceRuntime.
-  open_step`, :meth:`~ResilienceRuntime.recover_in_step` for a failed call, and
-  :meth:`~ResilienceRuntime.close_step`.
+  reference to them is rewritten (:mod:`mover_plugin.runtime.group_switch`) — and the adapter
+  brings it to the iteration all ranks continue from; the runtime then sends each joiner its
+  state from the live rank the adapter names (:mod:`mover_plugin.runtime.state_transfer`). An
+  iteration that spans several calls of the training script (a DeepSpeed data-parallel engine's
+  ``forward``, ``backward`` and ``step``) runs through the parts of ``run_step`` instead:
+  :meth:`~ResilienceRuntime.open_step`, :meth:`~ResilienceRuntime.recover_in_step` for a
+  failed call, and :meth:`~ResilienceRuntime.close_step`.
 - **The commit rule.** The adapter puts :meth:`ResilienceRuntime.commit` (a WORLD all-reduce
   every rank enters only with complete gradients) before the optimizer update. It also carries
   "I saw the controller's switch request" so all ranks learn in the same iteration that a
@@ -50,26 +51,9 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from mover_plugin.comm import (
-    BACKEND_NAME,
-    CollectiveAborted,
-    clear_alarm,
-    raise_alarm,
-    register_backend,
-)
-from mover_plugin.comm.cancel import BuildCancelled, cancel_when, raise_if_cancelled
-from mover_plugin.comm.delta import (
-    PreparedDelta,
-    agree_on_idle_groups,
-    discard_delta,
-    install_delta,
-    member_groups,
-    member_groups_in_order,
-    pair_rebuilt_groups,
-    prepare_delta,
-)
+from mover_plugin.comm import CollectiveAborted, clear_alarm, raise_alarm, register_backend
+from mover_plugin.comm.cancel import cancel_when, raise_if_cancelled
 from mover_plugin.comm.work import waited_s
-from mover_plugin.comm.world import WorldOptions
 from mover_plugin.contract import GROW_PLAN, MIGRATION_PLAN, SHRINK_PLAN
 from mover_plugin.errors import LaunchError
 from mover_plugin.layout import ParallelLayout
@@ -83,13 +67,13 @@ from mover_plugin.runtime.exits import (
     is_lost_peer,
 )
 from mover_plugin.runtime.faults import FaultInjector
-from mover_plugin.runtime.handover import open_handover, receive_state, send_state
 from mover_plugin.runtime.heartbeat import Heartbeat
 from mover_plugin.runtime.ledger import StepLedger
+from mover_plugin.runtime.group_switch import GroupSwitcher
 from mover_plugin.runtime.migration import MigrationParticipant
 from mover_plugin.runtime.notices import NoticeWatcher
-from mover_plugin.runtime.rewire import rewire, rewire_module_globals
 from mover_plugin.runtime.settings import ResilienceSettings
+from mover_plugin.runtime.state_transfer import StateTransfer
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +93,8 @@ class ResilienceRuntime:
         self.rank = int(os.environ.get("RANK", "-1"))
         self.world_size = int(os.environ["WORLD_SIZE"])
         self.ledger = StepLedger()
+        self.groups = GroupSwitcher(control, adapter, self.timeout)
+        self.transfer = StateTransfer(control, adapter, self.ledger, self.timeout)
         self.migration = MigrationParticipant(self)
         self.joiner_of: Optional[dict[str, Any]] = None
         """For a promoted standby: its replacement record (rank, twin)."""
@@ -121,9 +107,6 @@ class ResilienceRuntime:
         that just ran, to grow back: at the start of the next :meth:`run_step`."""
         self._received_bytes = 0
         """For a standby promoted to grow a shrunk job back: the state it received."""
-        self._job_groups: list[Any] = []
-        """The groups of the job's own layout when it shrank, to rewire once they are built
-        again on growing back."""
         self._heartbeat = Heartbeat(progress, settings.heartbeat_interval_s,
                                     settings.failure_timeout_s)
         progress.measure_busy_time(waited_s)  # for the slow-rank policy
@@ -202,24 +185,14 @@ class ResilienceRuntime:
                 return
             except Exception as error:  # noqa: BLE001 - filtered just below
                 self._switch_again_or_raise("building its groups", error)
-                self._tear_down_groups()
+                self.groups.tear_down()
             self._follow_as_joiner()
 
-    def _init_groups(self, connect: Optional[bool] = None) -> None:
+    def _init_groups(self) -> None:
         # The others' default group is covered by their other groups: a joiner's needs no
-        # connections of its own (mover_plugin.comm.world); nor does anyone's when all build
-        # it anew (growing back).
-        connect = self.joiner_of is None if connect is None else connect
-        dist.init_process_group(BACKEND_NAME, store=self.control.generation_store(self.generation),
-                                rank=self.rank, world_size=self.world_size,
-                                timeout=self.timeout(), pg_options=WorldOptions(connect=connect))
-        self.adapter.init_groups()
-
-    def _tear_down_groups(self) -> None:
-        """Drops whatever a joiner built of a superseded generation's groups."""
-        self.adapter.teardown()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        # connections of its own (mover_plugin.comm.world).
+        self.groups.init_world(self.generation, self.rank, self.world_size,
+                               connect=self.joiner_of is None)
 
     def begin(self, applied: int) -> int:
         """A rank that started with the job begins at ``applied`` completed iterations."""
@@ -263,12 +236,12 @@ class ResilienceRuntime:
         """A joiner's part of a crash's switch: (rejoining, with the new generation's
         ``plan``) its groups rebuilt, then the iteration agreed and its state received."""
         if plan is not None:
-            self._rebuild_groups(plan)
+            self.groups.rebuild_after_crash(self.generation, self.world_size, plan)
         # An alarm that came before this generation's groups existed did not abort them.
         raise_if_cancelled()
         continuation = self.adapter.continue_as_joiner()
         if not continuation.rolled_back:
-            self._receive_state(Transfer.COPY_RECEIVED)
+            self.transfer.receive(self.generation, self.rank, Transfer.COPY_RECEIVED)
         return continuation.iteration
 
     def _follow_as_joiner(self) -> dict[str, Any]:
@@ -320,7 +293,7 @@ class ResilienceRuntime:
         """Receives this joiner's state; if the process handing it over is lost, the
         controller gives the rank to another standby and this process exits."""
         try:
-            self._receive_state(transfer)
+            self.transfer.receive(self.generation, self.rank, transfer)
         except Exception as error:  # noqa: BLE001 - filtered just below
             self._raise_unless_lost_peer(error)
             logger.warning("rank %d: the process handing the rank over was lost (%s); exiting",
@@ -517,11 +490,11 @@ class ResilienceRuntime:
         """A survivor's part of a switch: its groups rebuilt where ``plan`` needs, the
         iteration agreed, each of its joiners sent its state. Returns where all ranks continue
         and how many cached references to groups were rewritten."""
-        replaced = self._rebuild_groups(plan)
+        replaced = self.groups.rebuild_after_crash(self.generation, self.world_size, plan)
         continuation = self.adapter.continue_after_crash(plan, snapshot)
         for lost, sender in continuation.senders.items():
             if sender == self.rank:
-                self._send_state(lost, continuation.iteration)
+                self.transfer.send(self.generation, lost, continuation.iteration)
         return continuation, replaced
 
     def _shrink_in(self, plan: dict[str, Any], snapshot: dict[str, Any]) -> Continuation:
@@ -530,16 +503,10 @@ class ResilienceRuntime:
         world of their own, numbered in the order of their job ranks (this process keeps its
         job rank towards the controller), and the adapter moves the training onto the plan's
         pipeline templates."""
-        self._job_groups = member_groups_in_order()
-        self.adapter.teardown()
-        dist.destroy_process_group()
-        clear_alarm()
-        raise_if_cancelled()
+        self.groups.leave_job_layout()
         self.world_size = plan["world_size"]
-        dist.init_process_group(BACKEND_NAME, store=self.control.generation_store(self.generation),
-                                rank=plan["survivors"].index(self.rank),
-                                world_size=self.world_size, timeout=self.timeout(),
-                                pg_options=WorldOptions(connect=True))
+        self.groups.init_survivors_world(self.generation, plan["survivors"].index(self.rank),
+                                         self.world_size)
         return self.adapter.continue_on_templates(plan, snapshot)
 
     def _grow_back(self) -> None:
@@ -555,12 +522,8 @@ class ResilienceRuntime:
         plan = self.control.wait_for_plan(self.generation)
         self.progress.generation = self.generation
         self.adapter.leave_templates()
-        dist.destroy_process_group()
-        clear_alarm()
         self.world_size = plan["world_size"]
-        self._init_groups(connect=False)
-        count = self._rewire(pair_rebuilt_groups(self._job_groups, member_groups_in_order()))
-        self._job_groups = []
+        count = self.groups.regrow_job_layout(self.generation, self.rank, self.world_size)
         received = self.adapter.continue_after_growth(plan)
         self.adapter.after_switch()
         self._own_step = None
@@ -588,65 +551,3 @@ class ResilienceRuntime:
         # is done before the alarm is cleared for the new generation's groups.
         self._watch.follow(self.generation)
         self.migration.reset_switch()
-
-    def _rebuild_groups(self, plan: dict[str, Any]) -> int:
-        """After a crash: rebuilds this generation's groups that contain a replaced rank or
-        that some member left in the middle of an operation, and keeps the others — or
-        rebuilds them all when the plan says so (it follows a switch that did not complete,
-        whose groups some ranks may have and others not). Returns how many cached references
-        to the old groups were rewritten."""
-        store = self.control.generation_store(self.generation)
-        if plan.get("rebuild_all"):
-            lost, unsettled = set(range(self.world_size)), []
-        else:
-            lost = {item["rank"] for item in plan["replacements"]}
-            candidates = {name: entry for name, entry in member_groups().items()
-                          if not entry[1].is_default and not lost & set(entry[1].global_ranks)}
-            unsettled = agree_on_idle_groups(store, candidates, timeout=self.timeout())
-        delta = prepare_delta(store, lost, timeout=self.timeout(), unsettled=unsettled)
-        return self.install_groups(delta)
-
-    def install_groups(self, delta: PreparedDelta) -> int:
-        """Puts the next generation's groups in place; returns how many cached references
-        to replaced groups were rewritten."""
-        clear_alarm()
-        try:
-            raise_if_cancelled()  # an alarm for this generation that came before the clearing
-        except BuildCancelled:
-            discard_delta(delta)
-            raise
-        count = self._rewire(install_delta(delta))
-        self.adapter.after_switch()
-        return count
-
-    def _rewire(self, replaced: dict[int, Any]) -> int:
-        """Points every cached reference to a replaced group at its replacement; returns how
-        many were rewritten."""
-        objects, modules = self.adapter.group_holders()
-        return (sum(rewire_module_globals(module, replaced) for module in modules)
-                + rewire(objects, replaced))
-
-    # -- state transfer -------------------------------------------------------------------
-
-    def outgoing_state(self) -> tuple[list[torch.Tensor], dict[str, Any]]:
-        """What a leaver hands its joiner at the end of the iteration it just completed."""
-        return self.adapter.state_tensors(Transfer.HANDOVER), self._blob(self.ledger.applied)
-
-    def _send_state(self, joiner: int, iteration: int) -> None:
-        group = open_handover(self.control.store, self.generation, joiner, source=True,
-                              timeout=self.timeout())
-        send_state(group, self.adapter.state_tensors(Transfer.COPY_SENT), self._blob(iteration))
-        group.shutdown()
-
-    def _blob(self, iteration: int) -> dict[str, Any]:
-        return {**self.adapter.state_blob(), "snapshot": self.adapter.capture_snapshot(),
-                "iteration": iteration}
-
-    def _receive_state(self, transfer: Transfer) -> None:
-        group = open_handover(self.control.store, self.generation, self.rank, source=False,
-                              timeout=self.timeout())
-        state = receive_state(group, self.adapter.state_tensors(transfer))
-        group.shutdown()
-        self.adapter.load_state(state, transfer)
-        self.adapter.restore_snapshot(state["snapshot"])
-        self.ledger.applied = state["iteration"]
