@@ -23,7 +23,9 @@ tested for, and a condition saying when it is wanted. The patches are:
   (``megatron.training``), the ``megatron-lm-cpu`` group
   (:mod:`mover_plugin.patches.megatron_lm_cpu`) adds the CPU stand-ins that loop needs, and the
   ``megatron-lm-hooks`` group (:mod:`mover_plugin.patches.megatron_lm_hooks`) the hook points
-  through which mover_plugin enters it. The ``mover-comm`` group
+  through which mover_plugin enters it, and the ``megatron-lm-backend`` group
+  (:mod:`mover_plugin.patches.megatron_lm_backend`) its helpers that ask the backend's name
+  (``--exit-signal-handler``) the answer for the ``mover`` backend. The ``mover-comm`` group
   (:mod:`mover_plugin.patches.mover_comm`), applied by ``register_backend()``, lets torch's own
   ``batch_isend_irecv`` batch on the ``mover`` backend's groups.
 
@@ -43,6 +45,7 @@ from mover_plugin.patches import (
     deepspeed_hooks,
     local_collectives,
     megatron_cpu,
+    megatron_lm_backend,
     megatron_lm_cpu,
     megatron_lm_hooks,
     mover_comm,

@@ -17,9 +17,11 @@ import subprocess
 import sys
 import types
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
+from rank_jobs import init_mover_group, rank_job, stop_forkserver_after_module  # noqa: F401
 
 from mover_plugin.errors import PatchError, UnsupportedVersionError
 from mover_plugin.patches import (
@@ -729,3 +731,36 @@ def test_batch_p2p_patch_applies_reverts_and_comes_with_the_backend() -> None:
                             text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() == "ACTIVE batch-p2p"
+
+
+def _signal_handler_gather(rank: int, store: Any, port: int) -> dict:
+    """Megatron-LM's ``--exit-signal-handler`` all-gather on a ``mover`` world of two."""
+    import torch.distributed as dist
+    from megatron.training import dist_signal_handler
+
+    init_mover_group(store, "gen0", rank, 2)
+    report: dict[str, Any] = {}
+    try:
+        dist_signal_handler.get_device()
+        report["unpatched"] = "no error"
+    except RuntimeError:
+        report["unpatched"] = "RuntimeError"
+    with apply_patches("megatron-lm-backend"):
+        report["device"] = str(dist_signal_handler.get_device())
+        report["gathered"] = dist_signal_handler.all_gather_item(rank + 1, dtype=torch.int32)
+    report["reverted"] = not hasattr(dist_signal_handler.get_device, "__wrapped__")
+    dist.destroy_process_group()
+    return report
+
+
+def test_the_exit_signal_handler_s_all_gather_runs_on_the_mover_backend(
+        stop_forkserver_after_module):
+    """Megatron-LM's helper raises for any backend name but nccl and gloo; patched, it picks
+    the device a mover group carries here (cpu without CUDA) and the all-gather runs."""
+    with rank_job() as job:
+        for rank in range(2):
+            job.start(rank, _signal_handler_gather)
+        reports = job.collect([0, 1])
+    for report in reports.values():
+        assert report == {"unpatched": "RuntimeError", "device": "cpu", "gathered": [1, 2],
+                          "reverted": True}, report

@@ -63,13 +63,15 @@ def before_megatron_import() -> None:
 
 def after_megatron_training_import() -> None:
     """Runs right after ``megatron.training`` is imported, before the script's code binds any
-    of its names: the CPU stand-ins (without CUDA) and the hooks."""
+    of its names: the CPU stand-ins (without CUDA), the ``mover`` backend's answers to
+    Megatron-LM's helpers that ask for the backend's name, and the hooks."""
     import torch
 
     from mover_plugin.patches import apply_inactive_patches
 
     if not torch.cuda.is_available():
         apply_inactive_patches(["megatron-cpu", "megatron-lm-cpu"])
+    apply_inactive_patches(["megatron-lm-backend"])
     install_hooks(DropInHooks())
 
 
