@@ -4,7 +4,7 @@
 The joiner of an unmodified script (mover_plugin.deepspeed.drop_in) runs its script's loop
 through every step the job trained before it came, drawing and dropping those steps'
 micro-batches, while the running ranks wait for it: that part of the downtime grows with the
-step at which the rank is lost. The same job (tests/scripts/ds_pipe_train.py: a user's
+step at which the rank is lost. The same job (tests/support/scripts/ds_pipe_train.py: a user's
 PipelineModule script, PP2 x DP2, ZeRO-1 with the peer copy, 4 CPU processes, one standby) is
 run with rank 0 (the first stage, which reads the data) SIGKILLed at each step of ``--at``
 (default 3 and 60), two steps before its end, interleaved, ``--repeats`` times each. Printed
@@ -31,7 +31,7 @@ from pathlib import Path
 from common import add_out_argument, benchmark_parser, interleaved_in, joined, new_out_folder
 from jobs import ROOT, mover_launch_command, read_events, run_job, summary_with_digest
 
-SCRIPT = str(ROOT / "tests" / "scripts" / "ds_pipe_train.py")
+SCRIPT = str(ROOT / "tests" / "support" / "scripts" / "ds_pipe_train.py")
 CONFIG = ROOT / "examples" / "ds_config.json"
 
 

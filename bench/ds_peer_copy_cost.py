@@ -5,7 +5,7 @@ With ``"peer_copy": true`` in the ``"resilience"`` block, after every step each 
 ZeRO optimizer shard (fp32 partition and Adam moments; at stage 3 too, where the parameters'
 partition follows from the fp32 one) to the next rank of its data-parallel group, which
 keeps it in host memory, so that a lost rank's shard can be taken from there instead of
-restarting the job. The same failure-free job (tests/scripts/ds_dp_train.py: a user's
+restarting the job. The same failure-free job (tests/support/scripts/ds_dp_train.py: a user's
 data-parallel script, DP4 on 4 CPU processes, two accumulation steps) runs under
 ``mover-launch`` with the block, with the copy on and off, at ZeRO stage 1, 2 and 3 (stage 3
 keeping parameters of up to 100 elements whole, as in the tests), interleaved,
@@ -37,7 +37,7 @@ from common import (
 )
 from jobs import ROOT, mover_launch_command, read_events, run_job, summary_with_digest
 
-SCRIPT = str(ROOT / "tests" / "scripts" / "ds_dp_train.py")
+SCRIPT = str(ROOT / "tests" / "support" / "scripts" / "ds_dp_train.py")
 CONFIG = ROOT / "examples" / "ds_config.json"
 STAGES = (1, 2, 3)
 ZERO_SETTINGS = {3: {"stage3_param_persistence_threshold": 100}}

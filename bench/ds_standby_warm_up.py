@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Benchmark: a DeepSpeed standby warmed up by a shadow run of its script vs a cold one.
 
-The same job (tests/scripts/ds_dp_train.py: a user's data-parallel script, 4 CPU processes,
+The same job (tests/support/scripts/ds_dp_train.py: a user's data-parallel script, 4 CPU processes,
 ZeRO stage ``--stage``, default 3, with the peer copy; one standby) loses rank 1 (SIGKILL as
 it begins step 6 of 10). The standby either runs its script ``--shadow`` iterations (default
 2) in the sandbox before it reports ready (``"standby_shadow_iterations"``: warm) or only
@@ -33,7 +33,7 @@ from common import (add_out_argument, benchmark_parser, check_same_digest, inter
                     joined, new_out_folder)
 from jobs import ROOT, mover_launch_command, read_events, run_job, summary_with_digest
 
-SCRIPT = str(ROOT / "tests" / "scripts" / "ds_dp_train.py")
+SCRIPT = str(ROOT / "tests" / "support" / "scripts" / "ds_dp_train.py")
 CONFIG = ROOT / "examples" / "ds_config.json"
 KILLED, STEP, STEPS = 1, 6, 10
 

@@ -1,9 +1,27 @@
-"""Shared fixtures: failure-free reference runs of the example, computed once per session."""
+"""The suite's layout and shared fixtures.
+
+``tests/unit/`` (mirroring the package) holds the pure tests; ``tests/jobs/<feature>/`` the
+multi-process jobs, each marked ``job`` here, so that ``pytest -m "not job" tests`` runs the
+pure tests alone; ``tests/support/`` what both share. The pure tests run first. The fixtures
+are failure-free reference runs of the example, computed once per session.
+"""
+
+from pathlib import Path
 
 import pytest
 
-from gpt_jobs import pretrain
-from template_runs import RUN, STEPS
+JOBS = Path(__file__).resolve().parent / "jobs"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Marks every test under ``tests/jobs/`` ``job`` and runs the pure tests first."""
+    for item in items:
+        if JOBS in item.path.parents:
+            item.add_marker(pytest.mark.job)
+    items.sort(key=lambda item: JOBS in item.path.parents)  # stable: file order kept
+
+from support.gpt_jobs import pretrain
+from support.template_runs import RUN, STEPS
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,313 @@
+"""Megatron-LM's own training loop (``megatron.training``) under mover-launch and torchrun.
+
+The entry script is ``examples/megatron_lm/pretrain_gpt.py`` (in the form of Megatron-LM's:
+``parse_and_validate_args`` and ``pretrain``, a model provider, mock data); it calls nothing of
+mover_plugin. On this machine (no CUDA) the CPU stand-ins come from the worker command
+(``python -m mover_plugin.launch.run``), not from a flag.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from support.gpt_jobs import digest, read_events
+from support.megatron_lm_jobs import ENV, FLAGS, LLAMA_TP2, PP2, SCRIPT, mover_launch, torchrun
+from mover_plugin.testing import run_command
+
+def iterations_logged(output: str) -> int:
+    return sum(1 for line in output.splitlines() if "| lm loss:" in line)
+
+
+@pytest.fixture(scope="module")
+def failure_free_pp2(tmp_path_factory):
+    """TP1 x PP2 x DP2 under mover-launch, no interruption: the digest every resilient run of
+    this module must end with."""
+    result = mover_launch(*PP2, cwd=tmp_path_factory.mktemp("failure-free"))
+    assert result.returncode == 0, result.output[-4000:]
+    return result
+
+
+@pytest.fixture(scope="module")
+def failure_free_llama_tp2(tmp_path_factory):
+    """The Llama-style set at TP2 x DP2 with the distributed optimizer, no interruption."""
+    result = mover_launch(*LLAMA_TP2, cwd=tmp_path_factory.mktemp("failure-free-llama"))
+    assert result.returncode == 0, result.output[-4000:]
+    return result
+
+
+@pytest.mark.parametrize("layout", [PP2, LLAMA_TP2], ids=["tp1-pp2", "llama-tp2-distopt"])
+def test_mover_launch_trains_megatron_lm_exactly_as_torchrun_does(layout, tmp_path,
+                                                                  failure_free_pp2,
+                                                                  failure_free_llama_tp2):
+    launched = failure_free_pp2 if layout is PP2 else failure_free_llama_tp2
+    assert launched.returncode == 0, launched.output[-4000:]
+    reference = torchrun(*layout, cwd=tmp_path)
+    assert reference.returncode == 0, reference.output[-4000:]
+    assert iterations_logged(launched.stdout) == iterations_logged(reference.stdout) == 6
+    assert "DP_REPLICAS identical" in launched.stdout
+    assert digest(launched) == digest(reference)
+
+
+@pytest.mark.parametrize("flags, launcher_flags, message", [
+    (["--no-such-flag"], [], "unrecognized arguments: --no-such-flag"),
+    (["--num-layers", "5"], [], "divisible by the pipeline-model-parallel size"),
+    (["--resilient-failure-timeout-s", "100"], [],
+     "--resilient-failure-timeout-s 100.0 must be below --resilient-collective-timeout-s"),
+    ([], ["--policy", "resilient", "--standbys", "1"],
+     "--policy resilient: pretrain_gpt.py does not run resilient; add --resilient"),
+    (["--resilient", "--tensor-model-parallel-size", "2"], ["--policy", "resilient"],
+     "--resilient needs a data-parallel twin for every rank, but the data-parallel size is 1"),
+    (["--resilient", "--use-distributed-optimizer", "--overlap-grad-reduce",
+      "--overlap-param-gather"], ["--policy", "resilient"],
+     "--resilient with --overlap-param-gather is not supported yet"),
+    (["--resilient", "--resilient-fault-tolerance", "4"], ["--policy", "resilient"],
+     "--resilient-fault-tolerance 4 is too large: it needs 5 pipelines"),
+    (["--resilient", "--resilient-template-profile", "/nonexistent/profile.json"],
+     ["--policy", "resilient"], "/nonexistent/profile.json: no such profile"),
+], ids=["unknown-flag", "megatron-check", "resilience-setting", "policy-without-flag",
+        "resilient-without-twin", "resilient-overlap-param-gather", "templates-tolerance",
+        "templates-profile"])
+def test_bad_megatron_lm_input_stops_the_job_before_any_worker(flags, launcher_flags, message,
+                                                               tmp_path):
+    result = mover_launch(*PP2, *flags, launcher_flags=launcher_flags, cwd=tmp_path,
+                          timeout_s=120)
+    assert result.returncode == 2, result.output[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("mover-launch: error")]
+    assert len(errors) == 1 and message in errors[0], result.stderr[-3000:]
+    # Nothing trained: no worker started.
+    assert "iteration" not in result.stdout
+
+
+# --- --resilient: a standby takes a lost rank's place inside Megatron-LM's loop ---------------
+
+RESILIENT = ["--resilient", "--log-interval", "2"]
+"""A log interval above 1: Megatron-LM's logging collectives then run only every other
+iteration, and a joiner must run them in step with the others."""
+
+
+def resilient_run(tmp_path: Path, *, standbys: int = 1, injections=(), flags=(), layout=PP2):
+    summary, events = tmp_path / "summary.json", tmp_path / "events.jsonl"
+    launcher = ["--policy", "resilient", "--standbys", str(standbys), "--summary", str(summary),
+                "--event-log", str(events), "--stop-grace-s", "2", *injections]
+    result = mover_launch(*layout, *RESILIENT, *flags, launcher_flags=launcher, cwd=tmp_path)
+    assert result.returncode == 0, result.output[-5000:]
+    return result, json.loads(summary.read_text()), read_events(events)
+
+
+def switched_roles(events, generation: int) -> dict[int, str]:
+    return {e["rank"]: e["role"] for e in events
+            if e["event"] == "switched" and e["generation"] == generation}
+
+
+def adopted_by_rank(events) -> dict[int, bool]:
+    """For each joiner's rank, whether it trains with the objects its warm-up kept."""
+    return {e["rank"]: e["adopted"] for e in events
+            if e["event"] == "switched" and e["role"] == "joiner"}
+
+
+@pytest.mark.parametrize("rank, step", [(0, 3), (3, 4)], ids=["first-stage", "last-stage"])
+def test_a_sigkilled_rank_of_megatron_lm_is_replaced_in_place_exactly(rank, step, tmp_path,
+                                                                     failure_free_pp2):
+    result, summary, events = resilient_run(tmp_path,
+                                            injections=["--inject-failure", f"{rank}:{step}"])
+    assert digest(result) == digest(failure_free_pp2)
+    assert summary["steps_completed"] == 6 and summary["restarts"] == 0
+    (interruption,) = summary["interruptions"]
+    assert (interruption["kind"], interruption["recovery"], interruption["rank"]) == (
+        "failure", "standby", rank)
+    assert interruption["how"] == "signal SIGKILL" and interruption["downtime_s"] > 0
+    # Every survivor left the failed iteration and kept its process; only the standby is new.
+    assert sorted(int(r) for r in interruption["left_s"]) == sorted({0, 1, 2, 3} - {rank})
+    assert switched_roles(events, interruption["generation"]) == {
+        r: "joiner" if r == rank else "survivor" for r in range(4)}
+    assert not [e for e in events if e["event"] in ("restart", "fallback")]
+    # The interrupted iteration was redone: each iteration is counted once in the log.
+    assert "iteration        6/       6" in result.stdout
+    # The standby warmed up as both stages with Megatron-LM's own model set-up and
+    # train_step, and trains with the objects of the lost rank's stage.
+    (warmed,) = [e for e in events if e["event"] == "standby_warmed"]
+    assert warmed["roles"] == warmed["kept"] == ["first", "last"]
+    assert warmed["shadow_iterations"] == 2 and warmed["sandbox_operations"] > 0
+    (joiner,) = [e for e in events if e["event"] == "switched" and e["role"] == "joiner"]
+    assert joiner["adopted"] is True
+
+
+def test_megatron_lm_survives_a_migration_and_a_hang_exactly(tmp_path, failure_free_pp2):
+    """One run: rank 1 moved to a standby (mover migrate's request, injected at step 2), then
+    rank 2 stopped with SIGSTOP at step 4 (found by its missing heartbeats, killed, replaced)."""
+    result, summary, events = resilient_run(
+        tmp_path, standbys=2, flags=["--resilient-failure-timeout-s", "3"],
+        injections=["--inject-migration", "1:2", "--inject-failure", "2:4:SIGSTOP"])
+    assert digest(result) == digest(failure_free_pp2)
+    assert summary["steps_completed"] == 6 and summary["restarts"] == 0
+    migration, hang = summary["interruptions"]
+    assert (migration["kind"], migration["rank"], migration["recovery"]) == (
+        "migration", 1, "standby")
+    assert (hang["kind"], hang["rank"], hang["recovery"]) == ("hang", 2, "standby")
+    assert switched_roles(events, migration["generation"]) == {
+        r: "joiner" if r == 1 else "stayer" for r in range(4)}
+    assert [e["how"] for e in events if e["event"] == "leaver_exit"] == ["exit code 0"]
+    assert [e["rank"] for e in events if e["event"] == "hung"] == [2]
+    assert not [e for e in events if e["event"] in ("restart", "fallback")]
+    # Each standby warmed up as both stages; ranks 1 (first stage) and 2 (last stage) are
+    # taken with the objects kept for their stage.
+    assert [e["kept"] for e in events if e["event"] == "standby_warmed"] == [
+        ["first", "last"]] * 2
+    assert adopted_by_rank(events) == {1: True, 2: True}
+
+
+def test_the_distributed_optimizer_continues_in_place_from_the_peer_copy(
+        tmp_path, failure_free_llama_tp2):
+    """The Llama-style set at TP2 x DP2 with the distributed optimizer: rank 1 SIGKILLed at
+    step 3 (its shard comes from the copy its data-parallel peer keeps), then rank 2 moved to a
+    standby at step 4 (it hands over its own shard). Neither rolls back."""
+    result, summary, events = resilient_run(
+        tmp_path, standbys=2, layout=LLAMA_TP2,
+        injections=["--inject-failure", "1:3", "--inject-migration", "2:4"])
+    assert digest(result) == digest(failure_free_llama_tp2)
+    assert summary["steps_completed"] == 6 and summary["restarts"] == 0
+    crash, migration = summary["interruptions"]
+    assert (crash["kind"], crash["rank"], crash["recovery"]) == ("failure", 1, "standby")
+    assert (migration["kind"], migration["rank"], migration["recovery"]) == (
+        "migration", 2, "standby")
+    assert crash["rolled_back_to"] is None and migration["rolled_back_to"] is None
+    assert switched_roles(events, crash["generation"]) == {
+        r: "joiner" if r == 1 else "survivor" for r in range(4)}
+    assert not [e for e in events if e["event"] in ("rolled_back", "restart", "fallback")]
+    # Every rank at its end reports the copy's host memory and its training thread's time in
+    # it; the survivors exchanged after each of the 6 steps.
+    copies = {e["rank"]: e for e in events if e["event"] == "peer_copy"}
+    assert sorted(copies) == [0, 1, 2, 3] and all(c["bytes"] > 0 for c in copies.values())
+    assert copies[0]["exchanges"] == copies[3]["exchanges"] == 6
+    assert all(0 < c["critical_s"] < 60 for c in copies.values())
+    # A sharded optimizer's kept objects fit only tensor- and data-parallel index 0: rank 1
+    # (tensor-parallel index 1) and rank 2 (data-parallel index 1) are built on promotion.
+    assert adopted_by_rank(events) == {1: False, 2: False}
+
+
+NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0"]
+"""Megatron-LM's own resume is exact only without dropout: it restores the RNG states of the
+checkpoint before it builds the data loaders, whose iterators draw a seed from torch's
+generator, so the first dropout masks after a resume differ (under torchrun just the same)."""
+
+
+def test_the_restart_policy_resumes_megatron_lm_from_its_own_checkpoint_exactly(tmp_path):
+    """Without --resilient, a lost rank costs a restart of every worker, which resume from the
+    checkpoint Megatron-LM saved with --save (its torch format), through its own --load."""
+    summary_path = tmp_path / "summary.json"
+    ckpt = str(tmp_path / "ckpt")
+    (tmp_path / "reference").mkdir()
+    reference = mover_launch(*PP2, *NO_DROPOUT, cwd=tmp_path / "reference")
+    assert reference.returncode == 0, reference.output[-4000:]
+    launcher = ["--policy", "restart", "--max-restarts", "1", "--summary", str(summary_path),
+                "--stop-grace-s", "2", "--inject-failure", "3:4"]
+    result = mover_launch(*PP2, *NO_DROPOUT, "--save", ckpt, "--load", ckpt, "--save-interval",
+                          "1", "--ckpt-format", "torch", launcher_flags=launcher, cwd=tmp_path)
+    assert result.returncode == 0, result.output[-5000:]
+    summary = json.loads(summary_path.read_text())
+    assert summary["restarts"] == 1 and summary["steps_completed"] == 6
+    (interruption,) = summary["interruptions"]
+    assert (interruption["rank"], interruption["recovery"]) == (3, "restart")
+    loaded = [line for line in result.stdout.splitlines()
+              if "successfully loaded checkpoint from" in line]
+    assert len(loaded) == 1 and loaded[0].endswith("at iteration 3"), loaded
+    assert digest(result) == digest(reference)
+
+
+DISTRIBUTED_PP2 = [*PP2, *NO_DROPOUT, "--use-distributed-optimizer"]
+
+
+@pytest.fixture(scope="module")
+def failure_free_distributed_pp2(tmp_path_factory):
+    """TP1 x PP2 x DP2 with the distributed optimizer and no dropout, no interruption."""
+    result = mover_launch(*DISTRIBUTED_PP2, cwd=tmp_path_factory.mktemp("failure-free-distopt"))
+    assert result.returncode == 0, result.output[-4000:]
+    return result
+
+
+def test_the_restart_policy_resumes_a_distributed_optimizer_from_the_default_checkpoint(
+        tmp_path, failure_free_distributed_pp2):
+    """The same with --use-distributed-optimizer and Megatron-LM's default checkpoint format
+    (torch_dist): every restarted rank loads its optimizer shard with Megatron-LM's --load at
+    start-up (on CPU, torch's Adam: its state is created first and its step counters set from
+    the checkpoint after)."""
+    summary_path = tmp_path / "summary.json"
+    ckpt = str(tmp_path / "ckpt")
+    launcher = ["--policy", "restart", "--max-restarts", "1", "--summary", str(summary_path),
+                "--stop-grace-s", "2", "--inject-failure", "1:5"]
+    result = mover_launch(*DISTRIBUTED_PP2, "--save", ckpt, "--load", ckpt, "--save-interval",
+                          "2", launcher_flags=launcher, cwd=tmp_path)
+    assert result.returncode == 0, result.output[-5000:]
+    summary = json.loads(summary_path.read_text())
+    assert summary["restarts"] == 1 and summary["steps_completed"] == 6
+    loaded = [line for line in result.stdout.splitlines()
+              if "successfully loaded checkpoint from" in line]
+    assert len(loaded) == 1 and loaded[0].endswith("at iteration 4"), loaded
+    assert digest(result) == digest(failure_free_distributed_pp2)
+
+
+def test_without_a_peer_copy_every_rank_rolls_back_in_place_to_the_checkpoint(
+        tmp_path, failure_free_distributed_pp2):
+    """The distributed optimizer with --resilient-no-peer-copy: the lost rank's shard exists
+    nowhere, so every rank, processes kept, loads Megatron-LM's last checkpoint (its default
+    torch_dist format, saved every 2 iterations) and trains on from iteration 4."""
+    ckpt = str(tmp_path / "ckpt")
+    result, summary, events = resilient_run(
+        tmp_path, layout=DISTRIBUTED_PP2, injections=["--inject-failure", "1:6"],
+        flags=["--resilient-no-peer-copy", "--save", ckpt, "--load", ckpt,
+               "--save-interval", "2"])
+    assert digest(result) == digest(failure_free_distributed_pp2)
+    assert summary["steps_completed"] == 6 and summary["restarts"] == 0
+    (interruption,) = summary["interruptions"]
+    assert (interruption["rank"], interruption["recovery"]) == (1, "standby")
+    assert interruption["rolled_back_to"] == 4
+    rolled = [e for e in events if e["event"] == "rolled_back"]
+    assert sorted(e["rank"] for e in rolled) == [0, 1, 2, 3]
+    assert all(e["iteration"] == 4 and "--resilient-no-peer-copy" in e["reason"]
+               for e in rolled)
+
+
+def test_a_script_that_imports_no_framework_runs_through_the_worker_command_unchanged(tmp_path):
+    script = tmp_path / "plain.py"
+    script.write_text(textwrap.dedent("""
+        import sys, os
+        print("ARGV", sys.argv)
+        print("PATH0", sys.path[0] == os.path.dirname(os.path.abspath(__file__)))
+        print("MAIN", __name__)
+        print("MEGATRON", "megatron.training" in sys.modules)
+    """))
+    result = run_command([sys.executable, "-m", "mover_plugin.launch.run", str(script), "--x",
+                          "1"], timeout_s=60, cwd=str(tmp_path))
+    assert result.returncode == 0, result.output
+    assert f"ARGV ['{script}', '--x', '1']" in result.stdout
+    assert "PATH0 True" in result.stdout and "MAIN __main__" in result.stdout
+    assert "MEGATRON False" in result.stdout
+
+
+def test_first_import_hook_runs_around_the_module_code_once(tmp_path, monkeypatch):
+    import builtins
+
+    from mover_plugin.launch.run import FirstImportHook
+
+    package = tmp_path / "hooked_package"
+    package.mkdir()
+    (package / "__init__.py").write_text("import builtins\nbuiltins.hook_calls.append('module')\n")
+    calls: list[str] = []
+    monkeypatch.setattr(builtins, "hook_calls", calls, raising=False)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    hook = FirstImportHook("hooked_package", lambda: calls.append("before"),
+                           lambda: calls.append("after"))
+    hook.install()
+    try:
+        import hooked_package  # noqa: F401
+
+        import hooked_package as again  # noqa: F401
+    finally:
+        sys.modules.pop("hooked_package", None)
+    assert calls == ["before", "module", "after"]
+    assert hook not in sys.meta_path
