@@ -106,6 +106,9 @@ class DeepSpeedResilience:
     started: ClassVar[Optional["DeepSpeedResilience"]] = None
     """The runtime this process started, if any (the drop-in leaves a script that drives the
     runtime itself alone)."""
+    templates: ClassVar[None] = None
+    """A DeepSpeed job does not train on pipeline templates (it publishes no template spec,
+    so the controller never plans it a shrink)."""
 
     def __init__(self, block: ResilienceBlock,
                  pipeline_parallel_size: Optional[int] = None) -> None:
@@ -317,20 +320,6 @@ class DeepSpeedResilience:
         # The held copy of a lost rank comes back with the next step's exchange.
         target, rollback, _ = self._agree(contribute=False)
         return self._roll_back(rollback) if rollback is not None else Continuation(target)
-
-    def continue_on_templates(self, plan: dict[str, Any],
-                              snapshot: dict[str, Any]) -> Continuation:
-        # A DeepSpeed job publishes no template spec, so the controller never shrinks it.
-        raise LaunchError("a DeepSpeed job cannot train on pipeline templates")
-
-    def leave_templates(self) -> None:
-        raise LaunchError("a DeepSpeed job cannot train on pipeline templates")
-
-    def continue_after_growth(self, plan: dict[str, Any]) -> int:
-        raise LaunchError("a DeepSpeed job cannot train on pipeline templates")
-
-    def join_after_growth(self, plan: dict[str, Any]) -> Continuation:
-        raise LaunchError("a DeepSpeed job cannot train on pipeline templates")
 
     def _roll_back(self, why: str) -> Continuation:
         if self._peer_copy is not None:

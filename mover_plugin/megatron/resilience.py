@@ -454,6 +454,11 @@ class MegatronResilience:
 
     # -- groups, snapshot and state (FrameworkAdapter) ------------------------------------
 
+    @property
+    def templates(self) -> "MegatronResilience":
+        """The adapter takes part in pipeline templates itself (its methods below)."""
+        return self
+
     def init_groups(self) -> None:
         from megatron.core import parallel_state
 

@@ -17,10 +17,13 @@ alarms, commits, switches and state transfer; a framework adapter
   :meth:`~FrameworkAdapter.continue_as_joiner` at a joiner: the ranks agree on the iteration
   they continue from (or roll back), the survivor settles its interrupted step, and the
   answer names which live rank sends each joiner its state; the runtime then does the sending;
-  after a shrink (no standby), :meth:`~FrameworkAdapter.continue_on_templates` at every
-  survivor; growing back, :meth:`~FrameworkAdapter.leave_templates` and
-  :meth:`~FrameworkAdapter.continue_after_growth` at a survivor and
-  :meth:`~FrameworkAdapter.join_after_growth` at a standby;
+- **pipeline templates** — an optional participant, :attr:`FrameworkAdapter.templates`
+  (``None`` where the framework cannot train on templates: such a job publishes no template
+  spec, so the controller never plans it a shrink): after a shrink (no standby),
+  :meth:`~TemplateParticipant.continue_on_templates` at every survivor; growing back,
+  :meth:`~TemplateParticipant.leave_templates` and
+  :meth:`~TemplateParticipant.continue_after_growth` at a survivor and
+  :meth:`~TemplateParticipant.join_after_growth` at a standby;
 - **state** — :meth:`~FrameworkAdapter.state_tensors` (sent and received in place) and
   :meth:`~FrameworkAdapter.state_blob` / :meth:`~FrameworkAdapter.load_state` (everything
   else), for each kind of :class:`Transfer`.
@@ -35,7 +38,7 @@ from __future__ import annotations
 import enum
 import types
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Optional, Protocol
 
 import torch
 
@@ -69,8 +72,37 @@ class Continuation:
     (a shrink onto pipeline templates, or growing back)."""
 
 
+class TemplateParticipant(Protocol):
+    """An adapter's part in training on pipeline templates (see the module docstring)."""
+
+    def continue_on_templates(self, plan: dict[str, Any],
+                              snapshot: dict[str, Any]) -> Continuation:
+        """A survivor's part of a shrink, once the survivors' world exists: agrees with the
+        others on the iteration, moves its training onto the ``plan``'s pipeline templates
+        (:mod:`mover_plugin.shrink`) and hands the runtime its step
+        (:meth:`~mover_plugin.runtime.resilience.ResilienceRuntime.train_with`). Called only
+        in a job whose first rank published a :class:`~mover_plugin.shrink.TemplateSpec`."""
+
+    def leave_templates(self) -> None:
+        """Growing back, at a survivor: releases the groups of the pipeline templates (their
+        state is kept until :meth:`continue_after_growth`)."""
+
+    def continue_after_growth(self, plan: dict[str, Any]) -> int:
+        """Growing back, at a survivor, once the job's groups exist again and the script's
+        objects point at them: agrees on the iteration and moves the state of the templates
+        back into the script's objects, sending the standbys theirs. Returns the bytes it
+        received."""
+
+    def join_after_growth(self, plan: dict[str, Any]) -> Continuation:
+        """Growing back, at a standby that takes a lost rank: its part of the same agreement
+        and transfers."""
+
+
 class FrameworkAdapter(Protocol):
     """The framework side of the resilience runtime (see the module docstring)."""
+
+    templates: Optional[TemplateParticipant]
+    """The adapter's part in pipeline templates; ``None``: the framework has none."""
 
     def init_groups(self) -> None:
         """The framework's own groups, right after ``init_process_group``."""
@@ -100,28 +132,6 @@ class FrameworkAdapter(Protocol):
 
     def continue_as_joiner(self) -> Continuation:
         """A joiner's part of the same agreement (it contributes no record of its own)."""
-
-    def continue_on_templates(self, plan: dict[str, Any],
-                              snapshot: dict[str, Any]) -> Continuation:
-        """A survivor's part of a shrink, once the survivors' world exists: agrees with the
-        others on the iteration, moves its training onto the ``plan``'s pipeline templates
-        (:mod:`mover_plugin.shrink`) and hands the runtime its step
-        (:meth:`~mover_plugin.runtime.resilience.ResilienceRuntime.train_with`). Called only
-        in a job whose first rank published a :class:`~mover_plugin.shrink.TemplateSpec`."""
-
-    def leave_templates(self) -> None:
-        """Growing back, at a survivor: releases the groups of the pipeline templates (their
-        state is kept until :meth:`continue_after_growth`)."""
-
-    def continue_after_growth(self, plan: dict[str, Any]) -> int:
-        """Growing back, at a survivor, once the job's groups exist again and the script's
-        objects point at them: agrees on the iteration and moves the state of the templates
-        back into the script's objects, sending the standbys theirs. Returns the bytes it
-        received."""
-
-    def join_after_growth(self, plan: dict[str, Any]) -> Continuation:
-        """Growing back, at a standby that takes a lost rank: its part of the same agreement
-        and transfers."""
 
     def state_tensors(self, transfer: Transfer) -> list[torch.Tensor]:
         """The tensors sent (or received into, in place) for ``transfer``."""

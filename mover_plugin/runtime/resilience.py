@@ -58,7 +58,12 @@ from mover_plugin.contract import GROW_PLAN, MIGRATION_PLAN, SHRINK_PLAN
 from mover_plugin.errors import LaunchError
 from mover_plugin.layout import ParallelLayout
 from mover_plugin.progress import ProgressReporter
-from mover_plugin.runtime.adapter import Continuation, FrameworkAdapter, Transfer
+from mover_plugin.runtime.adapter import (
+    Continuation,
+    FrameworkAdapter,
+    TemplateParticipant,
+    Transfer,
+)
 from mover_plugin.runtime.control import ControlClient
 from mover_plugin.runtime.exits import (
     describe_error,
@@ -220,7 +225,7 @@ class ResilienceRuntime:
             self._receive_or_exit(Transfer.HANDOVER)
             return self.ledger.applied
         if self._joining_growth is not None:
-            continuation = self.adapter.join_after_growth(self._joining_growth)
+            continuation = self._templates().join_after_growth(self._joining_growth)
             self._received_bytes = continuation.received_bytes
             return continuation.iteration
         plan: Optional[dict[str, Any]] = None
@@ -507,7 +512,7 @@ class ResilienceRuntime:
         self.world_size = plan["world_size"]
         self.groups.init_survivors_world(self.generation, plan["survivors"].index(self.rank),
                                          self.world_size)
-        return self.adapter.continue_on_templates(plan, snapshot)
+        return self._templates().continue_on_templates(plan, snapshot)
 
     def _grow_back(self) -> None:
         """A survivor's switch from pipeline templates back to the job's own layout, at the
@@ -521,10 +526,10 @@ class ResilienceRuntime:
         self.advance_generation()
         plan = self.control.wait_for_plan(self.generation)
         self.progress.generation = self.generation
-        self.adapter.leave_templates()
+        self._templates().leave_templates()
         self.world_size = plan["world_size"]
         count = self.groups.regrow_job_layout(self.generation, self.rank, self.world_size)
-        received = self.adapter.continue_after_growth(plan)
+        received = self._templates().continue_after_growth(plan)
         self.adapter.after_switch()
         self._own_step = None
         self.control.post("switched", rank=self.rank, role="survivor", time=time.time(),
@@ -533,6 +538,13 @@ class ResilienceRuntime:
                           received_bytes=received)
         logger.warning("rank %d runs on the job's own layout again (generation %d)", self.rank,
                        self.generation)
+
+    def _templates(self) -> TemplateParticipant:
+        templates = self.adapter.templates
+        if templates is None:
+            raise LaunchError("a shrink or a growth was planned for a job whose framework cannot "
+                              "train on pipeline templates")
+        return templates
 
     def _rejoin(self, plan: dict[str, Any], started: float) -> Continuation:
         """A promoted standby that was still a joiner when the controller planned ``plan``
