@@ -26,7 +26,7 @@ from typing import Callable, Iterator
 import pytest
 
 from support.gpt_jobs import (EXAMPLE, LAUNCH, MODEL, background_job, digest, pretrain, read_events,
-                      tagged_processes, wait_for_events, worker_pid)
+                              tagged_processes, wait_for_events, worker_pid)
 from support.netns import can_make_namespaces, namespace_hosts
 
 from mover_plugin.launch.job_secret import JOB_SECRET_ENV

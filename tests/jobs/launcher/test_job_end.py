@@ -1,12 +1,11 @@
 """The end of a job (launch/job_end.py): what the agents count and do as training ends, and a
 real job whose end meets a refill and a joining host's standby, each started at the last step.
 
-The job runs tests/support/scripts/end_of_job.py: no framework, so it starts in seconds. Its standbys
-stand for ones still importing (they never report ready) or waiting, and ignore SIGTERM; rank 0
-begins its last step only once the refill and the joining host's standby have started, so
-both are in flight when training ends, every time; rank 1's process never ends after its
-script. And a process whose parent dies just as it starts does not outlive it.
-"""
+The job runs tests/support/scripts/end_of_job.py: no framework, so it starts in seconds. Its
+standbys stand for ones still importing (they never report ready) or waiting, and ignore
+SIGTERM; rank 0 begins its last step only once the refill and the joining host's standby have
+started, so both are in flight when training ends, every time; rank 1's process never ends after
+its script. And a process whose parent dies just as it starts does not outlive it."""
 
 from __future__ import annotations
 

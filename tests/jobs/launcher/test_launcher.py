@@ -1,7 +1,7 @@
 """mover-launch end to end with a small torch.distributed job (real processes and signals).
 
-The job (tests/support/scripts/toy_train.py) all-reduces each step, checkpoints every step and prints
-``PARAMS_DIGEST``; it starts in about a second, so these tests exercise the launcher, not
+The job (tests/support/scripts/toy_train.py) all-reduces each step, checkpoints every step and
+prints ``PARAMS_DIGEST``; it starts in about a second, so these tests exercise the launcher, not
 Megatron.
 """
 

@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from support.gpt_jobs import (EXAMPLE, LAUNCH, MODEL, background_job, digest, pretrain, read_events,
-                      wait_for_events, worker_pid)
+                              wait_for_events, worker_pid)
 from mover_plugin.testing import run_command
 from support.paths import SCRIPTS
 

@@ -725,8 +725,8 @@ print("ACTIVE", ",".join(active_patches()))
 
 
 def test_batch_p2p_patch_applies_reverts_and_comes_with_the_backend() -> None:
-    """In a fresh process; what the patched function does is tested in tests/jobs/comm/test_comm.py (a
-    mover group's batch is one work of its own)."""
+    """In a fresh process; what the patched function does is tested in tests/jobs/comm/test_comm.py
+    (a mover group's batch is one work of its own)."""
     result = subprocess.run([sys.executable, "-c", _MOVER_COMM_CHECK], capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -17,8 +17,8 @@ Two jobs, compared with the same steps without interruption (mover-launch withou
 
 Checked: no restart; the loss of every step within 1e-4 relative, as Megatron-LM logs it; the
 final parameters within template_runs.PARAM_TOLERANCE (only the order of float additions
-differs, see tests/jobs/templates/test_template_training.py). No dropout: which rank runs a micro-batch would
-change its masks.
+differs, see tests/jobs/templates/test_template_training.py). No dropout: which rank runs a
+micro-batch would change its masks.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from support.megatron_lm_jobs import FLAGS, PP2, lm_losses, mover_launch
 from mover_plugin.megatron.layer_profile import write_profile
 from mover_plugin.templates import transformer_profile
 from support.template_runs import (check_parameters, check_shrink, check_shrink_and_grow,
-                           checkpoint_parameters, parameters_by_unit)
+                                   checkpoint_parameters, parameters_by_unit)
 
 pytest.importorskip("megatron.training")
 

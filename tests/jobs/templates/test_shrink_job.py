@@ -36,8 +36,8 @@ from mover_plugin.shrink import ShrinkPlan, TemplateSpec, plan_shrink
 from mover_plugin.templates import transformer_profile
 from mover_plugin.testing import run_command, run_ranks
 from support.template_runs import (EXAMPLE, RUN, STEPS, check_parameters, check_shrink,
-                           check_shrink_and_grow, checkpoint_parameters, parameters_by_unit,
-                           step_losses, worst_relative)
+                                   check_shrink_and_grow, checkpoint_parameters, parameters_by_unit,
+                                   step_losses, worst_relative)
 
 pytest.importorskip("megatron.core")
 
