@@ -36,45 +36,34 @@ Run as ``python -m mover_plugin.launch.agent`` with its settings as JSON in ``MO
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import selectors
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
 import torch.distributed as dist
 
 from mover_plugin.contract import (
     ALARM,
-    ATTEMPT_ENV,
     COMMANDS_MAILBOX,
-    CONTROL_ADDR_ENV,
-    CONTROL_PORT_ENV,
     EVENTS_MAILBOX,
-    GENERATION_ENV,
     NOTICE_FD_ENV,
-    PROGRESS_FD_ENV,
     STANDBY_ID_ENV,
     command_problem,
     encode_notice,
 )
 from mover_plugin.devices import free_slot
-from mover_plugin.launch.faults import FailureInjection, MigrationInjection
-from mover_plugin.launch.hosts import NodeSpec
-from mover_plugin.launch.job_secret import JOB_SECRET_ENV, launch_secret
+from mover_plugin.launch.agent_config import AgentConfig
+from mover_plugin.launch.faults import FaultDelivery
+from mover_plugin.launch.job_secret import launch_secret
 from mover_plugin.launch.liveness import AgentBeat
-from mover_plugin.launch.local_process import Worker
+from mover_plugin.launch.local_process import Worker, process_environment
+from mover_plugin.launch.slow_ranks import HostBusyTimes
 from mover_plugin.launch.step_times import StepBatch
-from mover_plugin.launch.store_gate import (
-    CONTROL_TARGET,
-    LOOPBACK,
-    StoreRelay,
-    attempt_target,
-)
+from mover_plugin.launch.store_gate import CONTROL_TARGET, StoreRelay, attempt_target
 from mover_plugin.mailbox import Mailbox
 from mover_plugin.processes import (
     describe_exit,
@@ -102,46 +91,6 @@ stop its processes and exit. The control store is served by its own thread in th
 controller's process, so a busy controller still answers."""
 
 
-@dataclass(frozen=True)
-class AgentConfig:
-    node: NodeSpec
-    world_size: int
-    master_addr: str
-    master_port: int
-    command: tuple[str, ...]
-    injections: tuple[FailureInjection, ...] = ()
-    stop_grace_s: float = 5.0
-    standbys: int = 0
-    exit_timeout_s: float = 60.0
-    """How long a rank's process may take to exit once every script on this host ended."""
-    migrations: tuple[MigrationInjection, ...] = ()
-    report_busy: bool = False
-    """Send the controller each step's busy times of this host's ranks (slow-rank policy)."""
-    gpus: int = 0
-    """This host's GPUs, one per process (0: none; :mod:`mover_plugin.devices`)."""
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> "AgentConfig":
-        raw = json.loads(text)
-        return cls(
-            node=NodeSpec(**raw["node"]),
-            world_size=raw["world_size"],
-            master_addr=raw["master_addr"],
-            master_port=raw["master_port"],
-            command=tuple(raw["command"]),
-            injections=tuple(FailureInjection(**i) for i in raw["injections"]),
-            stop_grace_s=raw["stop_grace_s"],
-            standbys=raw["standbys"],
-            exit_timeout_s=raw["exit_timeout_s"],
-            migrations=tuple(MigrationInjection(**i) for i in raw["migrations"]),
-            report_busy=raw["report_busy"],
-            gpus=raw["gpus"],
-        )
-
-
 class Agent:
     def __init__(self, config: AgentConfig, store: dist.Store, relay: StoreRelay) -> None:
         """``store``: the controller's store, reached through ``relay``, this host's way
@@ -153,18 +102,14 @@ class Agent:
         self._events = Mailbox(store, EVENTS_MAILBOX)
         self._workers: list[Worker] = []
         self._selector = selectors.DefaultSelector()
-        self._pending_injections = sorted(config.injections, key=lambda i: (i.step, i.rank))
-        self._pending_migrations = sorted(config.migrations, key=lambda i: (i.step, i.rank))
-        self._armed = False
-        """Injected failures wait until the controller says the job is fully provisioned."""
+        self._faults = FaultDelivery(config.injections, config.migrations)
         self._attempt = -1
         self._generation = 0
         self._idle_reported = False
         """This host reported itself done because all its ranks moved away."""
         self._winding_down = False
         """The job is ending (``wind_down`` for the current attempt): no standby starts."""
-        self._busy: dict[int, dict[int, float]] = {}
-        """Busy times by step, then rank, until every local rank reported the step."""
+        self._busy = HostBusyTimes()
         self._step_times = StepBatch(self._post)
 
     def run(self) -> int:
@@ -221,7 +166,7 @@ class Agent:
             self._start_workers(command["attempt"],
                                 list(self.config.node.ranks) if placed is None else placed)
         elif op == "arm":
-            self._armed = True
+            self._faults.arm()
         elif op == "promote":
             self._promote(command["standby"], command["rank"], command["migration"])
         elif op == "notice":
@@ -418,31 +363,10 @@ class Agent:
 
     def _worker_env(self, rank: Optional[int], slot: int, attempt: int,
                     progress_fd: int) -> dict[str, str]:
-        """A worker's environment (torchrun's variables), or without ``rank`` a standby's: the
-        same but ``RANK``, which its promotion sets."""
-        node = self.config.node
-        env = dict(os.environ)
-        env.pop(JOB_SECRET_ENV, None)  # workers reach the stores through this host's relay
-        env.setdefault("OMP_NUM_THREADS", "1")
-        env.pop("RANK", None)
-        if rank is not None:
-            env["RANK"] = str(rank)
-        env.update(
-            LOCAL_RANK=str(slot),
-            WORLD_SIZE=str(self.config.world_size),
-            LOCAL_WORLD_SIZE=str(node.local_world_size),
-            GROUP_RANK=str(node.node_rank),
-            MASTER_ADDR=LOOPBACK,
-            MASTER_PORT=str(self._store_relay.port_for(attempt_target(attempt))),
-            # env:// rendezvous connects to the store the controller hosts for this attempt.
-            TORCHELASTIC_USE_AGENT_STORE="True",
-            TORCHELASTIC_RESTART_COUNT=str(attempt),
-        )
-        env.update({CONTROL_ADDR_ENV: LOOPBACK,
-                    CONTROL_PORT_ENV: str(self._store_relay.port_for(CONTROL_TARGET)),
-                    ATTEMPT_ENV: str(attempt), GENERATION_ENV: str(self._generation),
-                    PROGRESS_FD_ENV: str(progress_fd)})
-        return env
+        return process_environment(
+            self.config.node, self.config.world_size, rank, slot, attempt, self._generation,
+            progress_fd, store_port=self._store_relay.port_for(attempt_target(attempt)),
+            control_port=self._store_relay.port_for(CONTROL_TARGET))
 
     def _stop_workers(self) -> None:
         live = [w for w in self._workers if not w.exited]
@@ -507,28 +431,20 @@ class Agent:
 
     def _report_busy(self, step: int, rank: int, busy_s: float) -> None:
         """One ``busy`` event per step for all ranks of this host (slow-rank policy)."""
-        report = self._busy.setdefault(step, {})
-        report[rank] = busy_s
-        for old in [s for s in self._busy if s < step - 16]:
-            del self._busy[old]
         training = {w.rank for w in self._workers
                     if w.rank is not None and not w.exited and not w.leaving}
-        if training <= set(report):
-            del self._busy[step]
+        report = self._busy.add(step, rank, busy_s, training)
+        if report is not None:
             self._post("busy", step=step, ranks={str(r): b for r, b in report.items()})
 
     def _maybe_inject(self, worker: Worker, step: int) -> None:
-        if not self._armed or worker.leaving:
+        if worker.leaving or worker.rank is None:
             return
-        for migration in [m for m in self._pending_migrations
-                          if m.rank == worker.rank and m.step <= step]:
-            self._pending_migrations.remove(migration)
+        for migration in self._faults.migrations_due(worker.rank, step):
             self._post("migration_due", rank=worker.rank, step=step, fault=migration.fault)
-        due = [i for i in self._pending_injections if i.rank == worker.rank and i.step <= step]
-        if not due:
+        injection = self._faults.injection_due(worker.rank, step)
+        if injection is None:
             return
-        injection = due[0]
-        self._pending_injections.remove(injection)
         os.kill(worker.process.pid, injection.signal)
         logger.warning("injected %s into rank %d at step %d", injection.signal_name,
                        worker.rank, step)

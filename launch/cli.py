@@ -18,7 +18,8 @@ import sys
 from typing import Optional, Sequence
 
 from mover_plugin.errors import ConfigError, LaunchError
-from mover_plugin.launch.agent import AGENT_CONFIG_ENV, Agent, AgentConfig
+from mover_plugin.launch.agent import AGENT_CONFIG_ENV, Agent
+from mover_plugin.launch.agent_config import AgentConfig
 from mover_plugin.launch.config import JoinConfig, LaunchConfig, parse_launch_args
 from mover_plugin.launch.controller import Controller
 from mover_plugin.launch.job_secret import JOB_SECRET_ENV, launch_secret

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import signal
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 from mover_plugin.errors import ConfigError
 
@@ -114,3 +114,37 @@ def _signal(name: str, text: str) -> int:
         f"{text!r}: unknown signal {name!r} (use a name like SIGKILL, SIGTERM, "
         "SIGSTOP, SIGSEGV or its number)"
     )
+
+
+class FaultDelivery:
+    """What an agent still has to inject, and when: failures and migrations wait until the
+    controller says the job is fully provisioned (:meth:`arm`), then each is due once its
+    rank begins its step."""
+
+    def __init__(self, injections: Sequence[FailureInjection],
+                 migrations: Sequence[MigrationInjection]) -> None:
+        self._injections = sorted(injections, key=lambda i: (i.step, i.rank))
+        self._migrations = sorted(migrations, key=lambda i: (i.step, i.rank))
+        self._armed = False
+
+    def arm(self) -> None:
+        """The job is fully provisioned: injections may be delivered from now on."""
+        self._armed = True
+
+    def migrations_due(self, rank: int, step: int) -> list[MigrationInjection]:
+        """The migrations of ``rank`` due at ``step`` (each returned once)."""
+        if not self._armed:
+            return []
+        due = [m for m in self._migrations if m.rank == rank and m.step <= step]
+        self._migrations = [m for m in self._migrations if m not in due]
+        return due
+
+    def injection_due(self, rank: int, step: int) -> Optional[FailureInjection]:
+        """The first failure of ``rank`` due at ``step``, if any (returned once)."""
+        if not self._armed:
+            return None
+        due = [i for i in self._injections if i.rank == rank and i.step <= step]
+        if not due:
+            return None
+        self._injections.remove(due[0])
+        return due[0]

@@ -32,7 +32,8 @@ from typing import Any
 
 from mover_plugin.contract import COMMANDS_MAILBOX, EVENTS_MAILBOX, command_problem
 from mover_plugin.errors import LaunchError
-from mover_plugin.launch.agent import Agent, AgentConfig
+from mover_plugin.launch.agent import Agent
+from mover_plugin.launch.agent_config import AgentConfig
 from mover_plugin.launch.config import JoinConfig
 from mover_plugin.launch.hosts import NodeSpec
 from mover_plugin.launch.job_secret import operator_secret

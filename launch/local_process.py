@@ -14,6 +14,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from mover_plugin.contract import (
+    ATTEMPT_ENV,
+    CONTROL_ADDR_ENV,
+    CONTROL_PORT_ENV,
+    GENERATION_ENV,
+    PROGRESS_FD_ENV,
+)
+from mover_plugin.launch.hosts import NodeSpec
+from mover_plugin.launch.job_secret import JOB_SECRET_ENV
+from mover_plugin.launch.store_gate import LOOPBACK
 from mover_plugin.processes import process_cpu_s
 from mover_plugin.progress import ProgressLineReader
 
@@ -108,3 +118,32 @@ class Worker:
         self.process.returncode = os.waitstatus_to_exitcode(status)
         self.peak_rss_mb = usage.ru_maxrss / 1024  # Linux reports KiB
         return True
+
+
+def process_environment(node: NodeSpec, world_size: int, rank: Optional[int], slot: int,
+                        attempt: int, generation: int, progress_fd: int, *, store_port: int,
+                        control_port: int) -> dict[str, str]:
+    """A worker's environment (torchrun's variables), or without ``rank`` a standby's: the
+    same but ``RANK``, which its promotion sets. The stores are this host's relay's loopback
+    ports (``store_port`` the attempt's, ``control_port`` the controller's)."""
+    env = dict(os.environ)
+    env.pop(JOB_SECRET_ENV, None)  # workers reach the stores through this host's relay
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.pop("RANK", None)
+    if rank is not None:
+        env["RANK"] = str(rank)
+    env.update(
+        LOCAL_RANK=str(slot),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(node.local_world_size),
+        GROUP_RANK=str(node.node_rank),
+        MASTER_ADDR=LOOPBACK,
+        MASTER_PORT=str(store_port),
+        # env:// rendezvous connects to the store the controller hosts for this attempt.
+        TORCHELASTIC_USE_AGENT_STORE="True",
+        TORCHELASTIC_RESTART_COUNT=str(attempt),
+    )
+    env.update({CONTROL_ADDR_ENV: LOOPBACK, CONTROL_PORT_ENV: str(control_port),
+                ATTEMPT_ENV: str(attempt), GENERATION_ENV: str(generation),
+                PROGRESS_FD_ENV: str(progress_fd)})
+    return env

@@ -6,18 +6,39 @@ per step: the step's duration minus the time it spent blocked waiting for its pe
 (:func:`mover_plugin.comm.work.waited_s`). The straggler is the rank the others wait for: its
 busy time stands out. A rank whose busy time stays above ``factor`` times the median of all
 ranks for ``steps`` consecutive steps is reported for migration (``mover-launch
---slow-rank-factor F --slow-rank-steps N``; off by default). Pure logic: the controller feeds
-it the agents' per-step reports.
+--slow-rank-factor F --slow-rank-steps N``; off by default). Pure logic: each agent collects
+its host's busy times of a step (:class:`HostBusyTimes`), and the controller feeds the agents'
+per-step reports to :class:`SlowRankDetector`.
 """
 
 from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
-from typing import Mapping, Optional
+from typing import Collection, Mapping, Optional
 
 _KEEP_STEPS = 16
 """Steps whose reports are kept while waiting for the rest of the ranks."""
+
+
+class HostBusyTimes:
+    """An agent's busy times by step, then rank, until every rank training on its host
+    reported the step."""
+
+    def __init__(self) -> None:
+        self._by_step: dict[int, dict[int, float]] = {}
+
+    def add(self, step: int, rank: int, busy_s: float,
+            training: Collection[int]) -> Optional[dict[int, float]]:
+        """Adds ``rank``'s busy time of ``step``; the step's report once every rank of
+        ``training`` has one (then forgotten), else None."""
+        report = self._by_step.setdefault(step, {})
+        report[rank] = busy_s
+        for old in [s for s in self._by_step if s < step - _KEEP_STEPS]:
+            del self._by_step[old]
+        if not set(training) <= set(report):
+            return None
+        return self._by_step.pop(step)
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,8 @@ from mover_plugin.devices import (
     gpus_on_host,
 )
 from mover_plugin.errors import ConfigError
-from mover_plugin.launch.agent import Agent, AgentConfig
+from mover_plugin.launch.agent import Agent
+from mover_plugin.launch.agent_config import AgentConfig
 from mover_plugin.launch.config import JoinConfig, parse_launch_args
 from mover_plugin.launch.hosts import NodeSpec
 

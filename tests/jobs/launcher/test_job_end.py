@@ -25,7 +25,8 @@ import torch.distributed as dist
 from support.gpt_jobs import LAUNCH, background_job, read_events, tagged_processes
 from support.paths import SCRIPTS
 from mover_plugin.contract import EVENTS_MAILBOX
-from mover_plugin.launch.agent import Agent, AgentConfig
+from mover_plugin.launch.agent import Agent
+from mover_plugin.launch.agent_config import AgentConfig
 from mover_plugin.launch.hosts import NodeSpec
 from mover_plugin.launch.job_secret import JOB_SECRET_ENV
 from mover_plugin.launch.local_process import Worker
