@@ -7,7 +7,7 @@ dropout), or with ``--megatron-lm`` the same model on Megatron-LM's own loop
 (examples/megatron_lm/pretrain_gpt.py, Megatron-LM's flags and checkpoints), runs under
 ``mover-launch --policy resilient --standbys 0 --refill-delay-s 0`` with ``--resilient``.
 Before its first step each pipeline stage measures its layers (the per-layer profile,
-mover_plugin.megatron.layer_profile), which the planner plans from. Its agent
+mover_plugin.megatron.templates.profile), which the planner plans from. Its agent
 SIGKILLs rank 3 at step ``--kill-at``; with no standby ready the survivors shrink onto the
 planner's pipelines for three hosts (a 2-stage and a 1-stage pipeline); the lost rank's slot
 is refilled with a standby at once, and once it is ready the job grows back to PP2 x DP2. It
@@ -45,7 +45,7 @@ from common import add_out_argument, benchmark_parser, job_folder, new_out_folde
 from jobs import (EXAMPLES, GPT_EXAMPLE, checkpoint_flags, gpt_model_flags,
                   mover_launch_command, read_events, read_summary, run_job, summary_with_digest)
 
-from mover_plugin.megatron.template_run import JOB_PIPELINES
+from mover_plugin.testing.template_run import JOB_PIPELINES
 from mover_plugin.testing.megatron_lm import CPU_FLAGS
 from mover_plugin.shrink import TemplateSpec
 

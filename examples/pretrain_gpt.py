@@ -276,9 +276,9 @@ def build_scheduler(args: argparse.Namespace, optimizer):
 
 def stage_recipe(args: argparse.Namespace, dataset):
     """How a stage of a pipeline template is built and trained, with this script's model,
-    optimizer, schedule and data (mover_plugin.megatron.template_training)."""
+    optimizer, schedule and data (mover_plugin.megatron.templates.stage)."""
     from mover_plugin.data import get_microbatch, microbatch_sample_indices
-    from mover_plugin.megatron.template_training import StageRecipe
+    from mover_plugin.megatron.templates.stage import StageRecipe
 
     def microbatch(iteration: int, slot: int):
         # Slot s of the global batch is Megatron's micro-batch s // DP of data-parallel rank

@@ -321,7 +321,7 @@ def check_fault_tolerance(templates: dict[int, Template], hosts: int, microbatch
 
 def load_profile(path: Path) -> Profile:
     """A profile from its JSON (``write_profile`` of
-    :mod:`mover_plugin.megatron.layer_profile`); raises :class:`ConfigError` naming the file."""
+    :mod:`mover_plugin.megatron.templates.profile`); raises :class:`ConfigError` naming the file."""
     try:
         raw = json.loads(path.read_text())
         layers = tuple(LayerCost(str(layer["name"]), float(layer["forward_s"]),

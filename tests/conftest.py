@@ -53,7 +53,7 @@ def reference_pp2_40():
 def template_reference():
     """The pipeline-template tests' model (template_runs.RUN) trained in-process without
     interruption for STEPS steps: every rank's losses and final parameters by name."""
-    from mover_plugin.megatron.template_run import train_without_interruption
+    from mover_plugin.testing.template_run import train_without_interruption
     from mover_plugin.testing import run_ranks
 
     return run_ranks(train_without_interruption, 4, RUN, STEPS, timeout_s=240,

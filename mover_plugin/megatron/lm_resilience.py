@@ -36,7 +36,7 @@ rank's role where they fit, as a Megatron-Core script's standby does.
 
 With no standby ready the job shrinks onto pipeline templates (once a rank's data iterators
 exist it can: :meth:`MegatronLMResilience.after_data_iterators`), with what the script gave
-``pretrain`` (:mod:`mover_plugin.megatron.lm_templates`); each ``train_step`` then trains the
+``pretrain`` (:mod:`mover_plugin.megatron.templates.megatron_lm`); each ``train_step`` then trains the
 rank's stage and returns what Megatron-LM's would. When it grows back, a survivor's training
 data iterator starts again where the job is, and the joining standbys get Megatron-LM's
 counters with the schedule.
@@ -68,7 +68,7 @@ from mover_plugin.megatron.lm_standby import (
     megatron_state_kept,
     without_checkpoint,
 )
-from mover_plugin.megatron.lm_templates import (
+from mover_plugin.megatron.templates.megatron_lm import (
     StageView,
     lm_stage_recipe,
     lm_template_refusals,
@@ -257,7 +257,7 @@ class MegatronLMResilience(MegatronResilience):
     def after_data_iterators(self, train_dataset: Any) -> None:
         """This rank's data iterators exist (``train_dataset``: the training dataset they
         read): the job may shrink onto pipeline templates when a rank is lost and no standby
-        is ready (:mod:`mover_plugin.megatron.lm_templates`); its first rank tells the
+        is ready (:mod:`mover_plugin.megatron.templates.megatron_lm`); its first rank tells the
         controller so."""
         self._train_dataset = train_dataset
         if self._recipe is not None:

@@ -48,7 +48,7 @@ Otherwise every rank, the joiner included, rolls back in place to the last check
 **No standby ready.** A script that hands its stage recipe to
 :meth:`MegatronResilience.enable_templates` lets the controller shrink the job instead of
 restarting it: the survivors train on pipeline templates, and grow back to the job's own layout
-once standbys are ready (:mod:`mover_plugin.megatron.shrunk_training`).
+once standbys are ready (:mod:`mover_plugin.megatron.templates.shrunk`).
 
 Limitations: a lost rank needs a live data-parallel twin (otherwise the controller falls back to
 the restart baseline, or shrinks when the script enabled templates); every group uses the
@@ -78,7 +78,7 @@ from mover_plugin.megatron.distributed_optimizer import (
     shard_tensors,
     uses_distributed_optimizer,
 )
-from mover_plugin.megatron.shrunk_training import (
+from mover_plugin.megatron.templates.shrunk import (
     ShrunkTraining,
     job_first_layer,
     measure_own_stage,
@@ -92,7 +92,7 @@ from mover_plugin.megatron.standby import (
     parallel_layout,
     warm_up,
 )
-from mover_plugin.megatron.template_training import StageRecipe, StageState, load_schedule
+from mover_plugin.megatron.templates.stage import StageRecipe, StageState, load_schedule
 from mover_plugin.progress import ProgressReporter
 from mover_plugin.runtime.adapter import Continuation, Transfer
 from mover_plugin.runtime.handover import module_state_tensors
@@ -254,7 +254,7 @@ class MegatronResilience:
 
     def enable_templates(self, recipe: StageRecipe) -> None:
         """Lets the job shrink onto pipeline templates when a rank is lost and no standby is
-        ready (:mod:`mover_plugin.megatron.shrunk_training`): ``recipe`` builds and trains a
+        ready (:mod:`mover_plugin.megatron.templates.shrunk`): ``recipe`` builds and trains a
         stage with the script's own model, optimizer, schedule and data. Call it before
         :meth:`attach`."""
         self._recipe = recipe
@@ -314,7 +314,7 @@ class MegatronResilience:
                            ) -> tuple[float, float]:
         """An iteration after the shrink; the script's optimizer shows the schedule's
         learning rate, as the script logs it from there. ``repeat``: see
-        :meth:`~mover_plugin.megatron.template_training.StageTrainer.train_step`."""
+        :meth:`~mover_plugin.megatron.templates.stage.StageTrainer.train_step`."""
         assert self._shrunk is not None
         result = self._shrunk.step(iteration, vote=self.runtime.switch_requested, repeat=repeat)
         self.runtime.grow_agreed = self._shrunk.grow_agreed

@@ -177,7 +177,7 @@ class DropInHooks(MegatronLMHooks):
         """Megatron-LM's checkpoint, skipped while the job trains on pipeline templates (the
         script's model rests; the final parameters are written by unit at the end)."""
         if self._on_templates():
-            from mover_plugin.megatron.lm_templates import skipped_on_templates
+            from mover_plugin.megatron.templates.megatron_lm import skipped_on_templates
 
             iteration = _argument(args, kwargs, 0, "iteration")
             return skipped_on_templates(f"Megatron-LM's checkpoint at iteration {iteration}")
@@ -186,7 +186,7 @@ class DropInHooks(MegatronLMHooks):
     def around_evaluation(self, evaluate: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Megatron-LM's evaluation, skipped while the job trains on pipeline templates."""
         if self._on_templates():
-            from mover_plugin.megatron.lm_templates import skipped_on_templates
+            from mover_plugin.megatron.templates.megatron_lm import skipped_on_templates
 
             prefix = _argument(args, kwargs, 0, "prefix")
             return skipped_on_templates(f"Megatron-LM's evaluation ({prefix})")

@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy
 import torch
 
-from mover_plugin.megatron.shrunk_training import FINAL_FOLDER
-from mover_plugin.megatron.template_run import TemplateRun
-from mover_plugin.megatron.template_training import canonical_parameters
+from mover_plugin.megatron.templates.shrunk import FINAL_FOLDER
+from mover_plugin.testing.template_run import TemplateRun
+from mover_plugin.megatron.templates.stage import canonical_parameters
 from support.paths import EXAMPLES
 
 EXAMPLE = EXAMPLES / "pretrain_gpt.py"

@@ -12,12 +12,14 @@ from pathlib import Path
 import pytest
 
 from support.paths import ROOT
+
 SOURCES = {"mover_plugin": ROOT / "mover_plugin", "mover_plugin.launch": ROOT / "launch",
            "mover_plugin.patches": ROOT / "patches"}
 """Each installed package and the folder it is installed from (see setup.py)."""
 
 LAYERS = (
-    ("launch", ("mover_plugin.launch", "mover_plugin.gpu_check")),
+    ("launch", ("mover_plugin.launch", "mover_plugin.gpu_check",
+                "mover_plugin.testing.template_run")),
     ("adapters", ("mover_plugin.megatron", "mover_plugin.deepspeed")),
     ("runtime", ("mover_plugin.runtime",)),
     ("comm", ("mover_plugin.comm",)),

@@ -1,5 +1,5 @@
 """The parts of Megatron-LM's loop on pipeline templates that need no job
-(:mod:`mover_plugin.megatron.lm_templates`): which samples a slot reads, which jobs are
+(:mod:`mover_plugin.megatron.templates.megatron_lm`): which samples a slot reads, which jobs are
 refused, and the layout a stage shows the script's code. The jobs themselves run in
 tests/jobs/templates/test_megatron_lm_templates.py."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mover_plugin.megatron.lm_standby import PretrainCall
-from mover_plugin.megatron.lm_templates import lm_template_refusals, training_microbatch
+from mover_plugin.megatron.templates.megatron_lm import lm_template_refusals, training_microbatch
 from mover_plugin.patches import apply_patches
 from mover_plugin.testing import run_ranks
 
@@ -103,7 +103,7 @@ def test_a_loss_validated_outside_an_iteration_passes_with_the_reruns_off():
     step runs its forward step with the reruns off, and the machine's mode is put back."""
     from megatron.core.rerun_state_machine import RerunMode, get_rerun_state_machine
 
-    from mover_plugin.megatron.lm_templates import rerun_checks_off
+    from mover_plugin.megatron.templates.megatron_lm import rerun_checks_off
 
     machine = get_rerun_state_machine()
     mode = machine.mode
@@ -131,8 +131,8 @@ def stage_view(rank: int, world_size: int) -> dict:
     parallel_state and Megatron-LM's args say in a stage's view, and after it."""
     from megatron.core import parallel_state
 
-    from mover_plugin.megatron.lm_templates import StageView
-    from mover_plugin.megatron.template_training import PlacementGroups
+    from mover_plugin.megatron.templates.megatron_lm import StageView
+    from mover_plugin.megatron.templates.stage import PlacementGroups
     from mover_plugin.placement import Placement
 
     placement = Placement.of_pipelines([([(0, 3), (3, 4)], 2), ([(0, 4)], 2)], [0, 1, 2], 4)

@@ -30,7 +30,7 @@ import pytest
 
 from support.gpt_jobs import read_events
 from support.megatron_lm_jobs import FLAGS, PP2, lm_losses, mover_launch
-from mover_plugin.megatron.layer_profile import write_profile
+from mover_plugin.megatron.templates.profile import write_profile
 from mover_plugin.templates import transformer_profile
 from support.template_runs import (check_parameters, check_shrink, check_shrink_and_grow,
                                    checkpoint_parameters, parameters_by_unit)

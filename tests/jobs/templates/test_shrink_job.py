@@ -30,8 +30,8 @@ import pytest
 
 from support.gpt_jobs import LAUNCH, losses, read_events
 from mover_plugin.layout import ParallelLayout
-from mover_plugin.megatron.layer_profile import write_profile
-from mover_plugin.megatron.template_run import train_without_interruption
+from mover_plugin.megatron.templates.profile import write_profile
+from mover_plugin.testing.template_run import train_without_interruption
 from mover_plugin.shrink import ShrinkPlan, TemplateSpec, plan_shrink
 from mover_plugin.templates import transformer_profile
 from mover_plugin.testing import run_command, run_ranks

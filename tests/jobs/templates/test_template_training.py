@@ -23,7 +23,7 @@ import numpy
 import pytest
 
 from mover_plugin.testing import run_ranks
-from mover_plugin.megatron.template_run import (
+from mover_plugin.testing.template_run import (
     measure_example_profile,
     train_shrink_and_grow,
     train_without_interruption,

@@ -1,5 +1,5 @@
 """Megatron-LM's own training loop on pipeline templates: what a survivor trains with once the
-job shrank (:mod:`mover_plugin.megatron.shrunk_training`), built from what the script gave
+job shrank (:mod:`mover_plugin.megatron.templates.shrunk`), built from what the script gave
 Megatron-LM's ``pretrain``.
 
 - :func:`lm_stage_recipe`: a stage of any placement is built by the script's model provider
@@ -37,7 +37,7 @@ import logging
 from typing import Any, Iterator, Optional
 
 from mover_plugin.megatron.lm_standby import PretrainCall
-from mover_plugin.megatron.template_training import StageRecipe
+from mover_plugin.megatron.templates.stage import StageRecipe
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ templates take a stage's first layer from an even split)."""
 def lm_template_refusals(args: argparse.Namespace, call: Optional[PretrainCall]) -> list[str]:
     """Why Megatron-LM's loop with ``args``, started by ``call``, cannot train on pipeline
     templates (none: it can); the reasons common to every Megatron-Core job are
-    :func:`~mover_plugin.megatron.shrunk_training.template_spec`'s."""
+    :func:`~mover_plugin.megatron.templates.shrunk.template_spec`'s."""
     refused = {
         "neither a model provider nor a model config given to pretrain()":
             call is None or (call.model_provider is None and _model_config(call) is None),

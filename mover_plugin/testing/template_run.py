@@ -5,7 +5,7 @@ pipeline templates, under :func:`mover_plugin.testing.run_ranks` on 4 processes)
 Each rank trains the example's own Megatron-Core model, optimizer, scheduler and data: first
 as the job's TP1 x PP2 x DP2 (``parallel_state`` and the example's ``train_step``); then rank 3
 drops out with everything it held, and ranks 0-2 make a world of their own and train on the
-planner's placement for three hosts (:mod:`mover_plugin.megatron.template_training`), their
+planner's placement for three hosts (:mod:`mover_plugin.megatron.templates.stage`), their
 new layers and optimizer state copied from the ranks that held them; then rank 3 comes back
 with no state and all four train on the planner's placement for four hosts. Every step's loss
 and time, each switch's time and the bytes each rank received come back.
@@ -81,7 +81,7 @@ def _canonical(state: Any) -> dict[str, Any]:
 def _job_state(run: TemplateRun, model: Any, optimizer: Any) -> Any:
     from megatron.core import parallel_state
 
-    from mover_plugin.megatron.template_training import StageState
+    from mover_plugin.megatron.templates.stage import StageState
 
     first = parallel_state.get_pipeline_model_parallel_rank() * run.num_layers // 2
     return StageState.of_model(model.module, optimizer, first, tied=run.tied)
@@ -165,7 +165,7 @@ def train_shrink_and_grow(rank: int, world_size: int, run: TemplateRun, full: in
 def _switch(placement: Any, rank: int, recipe: Any, previous: Any, held: Optional[Any],
             schedule: dict, live: list[int], fresh: tuple[int, ...] | list[int] = ()
             ) -> tuple[Any, int]:
-    from mover_plugin.megatron.template_training import PlacementGroups, StageTrainer, relayout
+    from mover_plugin.megatron.templates.stage import PlacementGroups, StageTrainer, relayout
     from mover_plugin.placement import transfers
 
     trainer = StageTrainer(placement, rank, recipe, PlacementGroups(placement, rank))
@@ -185,8 +185,8 @@ def measure_example_profile(rank: int, world_size: int, run: TemplateRun,
     """The example's model measured on one rank: the profile, and each part's parameter
     count."""
     from mover_plugin.megatron.arguments import parse_args
-    from mover_plugin.megatron.layer_profile import measure_profile
-    from mover_plugin.megatron.template_training import PlacementGroups, ensure_megatron_globals
+    from mover_plugin.megatron.templates.profile import measure_profile
+    from mover_plugin.megatron.templates.stage import PlacementGroups, ensure_megatron_globals
     from mover_plugin.placement import Placement
 
     torch.set_num_threads(1)

@@ -3,12 +3,12 @@
 When a rank is lost and no standby is ready, a job whose script handed its stage recipe to
 :meth:`MegatronResilience.enable_templates
 <mover_plugin.megatron.resilience.MegatronResilience.enable_templates>` (on Megatron-LM's own
-loop the drop-in builds it: :mod:`mover_plugin.megatron.lm_templates`) shrinks: the controller
+loop the drop-in builds it: :mod:`mover_plugin.megatron.templates.megatron_lm`) shrinks: the controller
 plans the survivors' pipelines (:mod:`mover_plugin.shrink`), and each survivor, in the world
 of the survivors, builds the stage the plan gives it with the script's own builder
-(:class:`~mover_plugin.megatron.template_training.StageTrainer`), copies into it the layers it
+(:class:`~mover_plugin.megatron.templates.stage.StageTrainer`), copies into it the layers it
 held and receives from a live holder those it did not, with their Adam state
-(:func:`~mover_plugin.megatron.template_training.relayout`), and takes over the learning-rate
+(:func:`~mover_plugin.megatron.templates.stage.relayout`), and takes over the learning-rate
 schedule where the job's was. The script's own model and optimizer rest from then on; the
 iterations run :meth:`ShrunkTraining.step`, which returns what the script's step returns (the
 mean loss over the global batch, the gradient norm).
@@ -19,7 +19,7 @@ before the first step, for the planner, when the job was given no profile; and
 :meth:`ShrunkTraining.save_final` writes the parameters a job ends with (each unit once, by
 its canonical name).
 
-Limits, besides those of :mod:`~mover_plugin.megatron.template_training` (tensor-parallel size 1,
+Limits, besides those of :mod:`~mover_plugin.megatron.templates.stage` (tensor-parallel size 1,
 CPU and gloo, fp32, the plain optimizer): the script's checkpoints are not written while shrunk
 (the final parameters are, by :meth:`ShrunkTraining.save_final`); a rank lost while shrunk makes
 the job restart from its last checkpoint.
@@ -47,8 +47,8 @@ import torch.distributed as dist
 
 from mover_plugin.layout import ParallelLayout
 from mover_plugin.megatron.checkpoint import capture_rng_state, restore_rng_state
-from mover_plugin.megatron.layer_profile import host_memory_bytes, measure_training_stage
-from mover_plugin.megatron.template_training import (
+from mover_plugin.megatron.templates.profile import host_memory_bytes, measure_training_stage
+from mover_plugin.megatron.templates.stage import (
     PlacementGroups,
     StageRecipe,
     StageState,
