@@ -80,6 +80,7 @@ __all__ = [
     "deepspeed_hooks",
     "local_collectives",
     "megatron_cpu",
+    "megatron_lm_backend",
     "megatron_lm_cpu",
     "megatron_lm_hooks",
     "mover_comm",

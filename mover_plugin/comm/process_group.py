@@ -381,7 +381,7 @@ class MoverProcessGroup(NamedProcessGroup):
                 if not item.done():
                     running.append(item)
                 elif failure is None:
-                    failure = item.error()
+                    failure = item.settled_error()
             self._link.inflight = running
         if failure is not None:
             self.note_failure(failure)

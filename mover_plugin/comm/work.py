@@ -37,7 +37,6 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import ErrorType
 
 from mover_plugin.comm import alarm
 from mover_plugin.comm.context import WaitState, default_context
@@ -83,9 +82,13 @@ class _Observed:
         self.work.wait()
 
     def error(self) -> Optional[BaseException]:
-        """The error the work completed with; ``None`` while it runs or if it succeeded.
-        Never c10d's deprecated ``Work.exception()``, which warns once per process."""
+        """The error the work completed with; ``None`` while it runs or if it succeeded."""
         return None
+
+    def settled_error(self) -> Optional[BaseException]:
+        """:meth:`error` as the bookkeeping of every operation reads it: without c10d's
+        deprecated ``Work.exception()`` (it warns once per process)."""
+        return self.error()
 
     def outputs(self) -> list[torch.Tensor]:
         """The operation's output tensors (once done)."""
@@ -109,21 +112,37 @@ class _Observed:
 
 
 class _StreamOrdered(_Observed):
-    """An NCCL work. Its failure is its communicator's: once NCCL reports an error there
-    (``get_error()``: a timeout, an asynchronous or a remote error), every work on it that
-    completed counts as failed, and the group is neither idle nor kept."""
+    """An NCCL work. Its failure is its communicator's once NCCL's watchdog recorded one there
+    (``get_error()``: a timeout, an asynchronous or a remote error): every work on it that
+    completed then counts as failed, and the group is neither idle nor kept. The watchdog
+    records it on its next pass (about 100 ms); until then only the work itself knows, so
+    :meth:`error` (the decisions after an alarm) asks it too, through c10d's
+    ``Work.exception()`` (deprecated: torch warns once per process), while the per-operation
+    bookkeeping reads :meth:`settled_error`, the communicator's alone."""
 
     def __init__(self, work: dist.Work, communicator: Any) -> None:
         super().__init__(work)
         self._communicator = communicator
 
+    def settled_error(self) -> Optional[BaseException]:
+        if not self.done():
+            return None
+        return communicator_error(self._communicator)
+
     def error(self) -> Optional[BaseException]:
         if not self.done():
             return None
-        state = self._communicator.get_error()
-        if state == ErrorType.SUCCESS:
-            return None
-        return dist.DistBackendError(f"NCCL communicator error: {state.name}")
+        return communicator_error(self._communicator) or self.work.exception()
+
+
+def communicator_error(communicator: Any) -> Optional[BaseException]:
+    """The error NCCL's watchdog recorded on ``communicator`` (torch >= 2.6 has
+    ``get_error()``), if any."""
+    get_error = getattr(communicator, "get_error", None)
+    state = get_error() if get_error is not None else None
+    if state is None or state.name == "SUCCESS":
+        return None
+    return dist.DistBackendError(f"NCCL communicator error: {state.name}")
 
 
 class _Sliced(_Observed):
@@ -288,6 +307,10 @@ class AbortableWork(dist.Work):
     def source_rank(self) -> int:
         """For a receive from any source: the group rank it came from."""
         return self._pending[0].work._source_rank()
+
+    def _source_rank(self) -> int:
+        """What ``dist.recv(src=None)`` asks (c10d's own name for :meth:`source_rank`)."""
+        return self.source_rank()
 
     def result(self) -> list[torch.Tensor]:
         """The output tensors of the backend works, in order."""

@@ -637,6 +637,26 @@ def test_neighbours_of_a_killed_rank_leave_promptly() -> None:
         assert report["destroy_s"] < 1.0
 
 
+def _receive_from_any(rank: int, store: dist.Store, port: int) -> Any:
+    """Rank 0 receives from whichever rank sends (``dist.recv`` without ``src``)."""
+    init_mover_group(store, "gen0", rank, 2)
+    tensor = torch.full((3,), float(rank))
+    if rank == 1:
+        dist.send(tensor, dst=0)
+        source = None
+    else:
+        source = dist.recv(tensor)
+    dist.destroy_process_group()
+    return source, tensor.tolist()
+
+
+def test_a_receive_from_any_source_names_the_sender() -> None:
+    with rank_job() as job:
+        for rank in range(2):
+            job.start(rank, _receive_from_any)
+        assert job.collect([0, 1])[0] == (1, [1.0, 1.0, 1.0])
+
+
 def _failed_unseen(rank: int, store: dist.Store, port: int) -> dict:
     """Rank 1 exits after a first all-reduce; rank 0's next one fails on gloo's connection
     reset without any wait seeing it (as an NCCL work that hit an asynchronous error counts as

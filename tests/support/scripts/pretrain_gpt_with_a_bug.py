@@ -10,7 +10,7 @@ import importlib.util
 import os
 from pathlib import Path
 
-EXAMPLE = Path(__file__).parents[2] / "examples" / "pretrain_gpt.py"
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "pretrain_gpt.py"
 
 
 def load_example():
