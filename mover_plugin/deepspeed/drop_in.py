@@ -196,7 +196,7 @@ class DropIn(DeepSpeedHooks):
         self.resilience.wait_if_standby(warmed=self._shadow is not None
                                         and self._shadow.engine_built)
         self._distributed = True
-        self.resilience.runtime.switch_before_next_step = True
+        self.resilience.runtime.switch_at_next_step()
         self.resilience.initialize_distributed()
         result = init(*args, **kwargs)
         if self.resilience.runtime.joiner_of is not None:

@@ -182,7 +182,7 @@ class MegatronLMResilience(MegatronResilience):
         """The training data iterator of the current ``train_step``."""
         # Megatron-LM logs (with collectives) between two train_steps: the leaver of a
         # migration logs the iteration it completed, the joiner starts at the next one.
-        self.runtime.switch_before_next_step = True
+        self.runtime.switch_at_next_step()
         # The shard copy's exchange overlaps Megatron-LM's own work between two steps.
         self.copy_between_steps = True
 

@@ -317,7 +317,8 @@ class MegatronResilience:
         :meth:`~mover_plugin.megatron.templates.stage.StageTrainer.train_step`."""
         assert self._shrunk is not None
         result = self._shrunk.step(iteration, vote=self.runtime.switch_requested, repeat=repeat)
-        self.runtime.grow_agreed = self._shrunk.grow_agreed
+        if self._shrunk.grow_agreed:
+            self.runtime.grow_back_at_next_step()
         self.runtime.ledger.count_running_iteration()
         for group in self._optimizer.param_groups:
             group["lr"] = self._shrunk.learning_rate

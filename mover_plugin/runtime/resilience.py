@@ -42,6 +42,7 @@ hands itself to a :class:`ResilienceRuntime`, which holds everything else:
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import time
@@ -83,6 +84,13 @@ from mover_plugin.runtime.state_transfer import StateTransfer
 logger = logging.getLogger(__name__)
 
 
+class SwitchPoint(enum.Enum):
+    """Where a planned switch agreed on in an iteration happens."""
+
+    END_OF_ITERATION = "at the end of that iteration"
+    NEXT_STEP = "at the start of the next step"
+
+
 class ResilienceRuntime:
     """One process's runtime: generation, rank, the commit gate, switch and state transfer."""
 
@@ -107,9 +115,9 @@ class ResilienceRuntime:
         """For a promoted standby: whether it replaces a leaving rank (else a lost one)."""
         self._joining_growth: Optional[dict[str, Any]] = None
         """For a standby promoted to grow a shrunk job back: the generation's plan."""
-        self.grow_agreed = False
-        """Set by the adapter when the survivors on pipeline templates agreed, in the iteration
-        that just ran, to grow back: at the start of the next :meth:`run_step`."""
+        self._grow_due = False
+        """The survivors on pipeline templates agreed, in the iteration that just ran, to grow
+        back (:meth:`grow_back_at_next_step`): at the start of the next :meth:`run_step`."""
         self._received_bytes = 0
         """For a standby promoted to grow a shrunk job back: the state it received."""
         self._heartbeat = Heartbeat(progress, settings.heartbeat_interval_s,
@@ -118,16 +126,26 @@ class ResilienceRuntime:
         self._watch: Optional[NoticeWatcher] = None
         self._await_standbys = False
         """Set until the first step of a rank that started with the job."""
-        self.switch_before_next_step = False
-        """Where a planned switch agreed on in an iteration happens: at the end of that
-        iteration (False), or at the start of the next :meth:`run_step` (True: for a training
-        loop that runs collectives of its own between two steps, such as Megatron-LM's
-        logging, which the leaver, not the joiner, must take part in)."""
+        self._switch_point = SwitchPoint.END_OF_ITERATION
+        """Where a planned switch agreed on in an iteration happens (see
+        :meth:`switch_at_next_step`)."""
         self._last_step_s = 0.0
         self._last_step_end = 0.0
         self._own_step: Optional[Callable[[int], Any]] = None
         """The adapter's step that replaces the script's once the job shrank onto pipeline
         templates (:meth:`train_with`)."""
+
+    def switch_at_next_step(self) -> None:
+        """A planned switch agreed on in an iteration happens at the start of the next
+        :meth:`run_step`, not at the end of that iteration: for a training loop that runs
+        collectives of its own between two steps, such as Megatron-LM's logging, which the
+        leaver, not the joiner, must take part in."""
+        self._switch_point = SwitchPoint.NEXT_STEP
+
+    def grow_back_at_next_step(self) -> None:
+        """The survivors on pipeline templates agreed, in the iteration that just ran, to grow
+        back: the job's own layout is rebuilt at the start of the next :meth:`run_step`."""
+        self._grow_due = True
 
     @classmethod
     def connect(cls, settings: ResilienceSettings,
@@ -353,9 +371,9 @@ class ResilienceRuntime:
         an adapter whose iteration spans several calls of the training script): a switch
         agreed on before it, then the snapshot a redo starts from. Returns the snapshot and
         the time the iteration began."""
-        if self.grow_agreed:
+        if self._grow_due:
             self._grow_back()
-        if self.migration.switch_agreed and self.switch_before_next_step:
+        if self.migration.switch_agreed and self._switch_point is SwitchPoint.NEXT_STEP:
             self.migration.switch_at_boundary(self._last_step_s)
         self.progress.generation = self.generation  # deferred after a planned switch
         if self._await_standbys:
@@ -369,7 +387,7 @@ class ResilienceRuntime:
         self.ledger.end()
         self._last_step_end = time.time()
         self._last_step_s = self._last_step_end - started
-        if self.migration.switch_agreed and not self.switch_before_next_step:
+        if self.migration.switch_agreed and self._switch_point is SwitchPoint.END_OF_ITERATION:
             self.migration.switch_at_boundary(self._last_step_s)
 
     def recover_in_step(self, error: BaseException, snapshot: dict[str, Any]) -> Continuation:
@@ -522,7 +540,7 @@ class ResilienceRuntime:
         the groups of the job before the shrink is pointed at their new counterparts, and the
         adapter moves the state back into the script's objects."""
         ended, step_s = self._last_step_end, self._last_step_s
-        self.grow_agreed = False
+        self._grow_due = False
         self.advance_generation()
         plan = self.control.wait_for_plan(self.generation)
         self.progress.generation = self.generation
