@@ -24,7 +24,7 @@ setup(
         "mover_plugin.launch": "launch",
     },
     package_data={"mover_plugin": ["data/corpus/*.jsonl"]},
-    # Any torch from 2.4 on; an installed torch 2.13.0 (CPU or CUDA build) satisfies it.
+    # Any torch from 2.4 on; tested with 2.14.1 (CI) and 2.13.0, CPU or CUDA build.
     install_requires=["torch>=2.4", "numpy", "packaging"],
     extras_require={
         "megatron": ["megatron-core>=0.19.2,<0.20"],

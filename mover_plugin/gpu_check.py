@@ -18,8 +18,9 @@ The checks (GPUs needed):
 - ``device_binding`` (1): a process started with ``LOCAL_RANK=i`` through the worker command
   (``python -m mover_plugin.launch.run``) has ``cuda:i`` current when its script runs, for each
   GPU (:mod:`mover_plugin.devices`).
-- ``nccl_group`` (1): a one-rank ``mover`` group all-gathers a CUDA tensor through NCCL, aborts
-  and shuts down; the times of each.
+- ``nccl_group`` (1): a one-rank ``mover`` group, made with ``device_id``, all-gathers a CUDA
+  tensor through NCCL (its CUDA backend is NCCL's, an operation's future is on the device),
+  aborts and shuts down; the times of each.
 - ``rng_redo`` (1): Megatron's RNG snapshot (:func:`mover_plugin.megatron.checkpoint
   .capture_rng_state`) restores CUDA dropout: a redone forward equals the first.
 - ``handover`` (1): a rank's state handed from one process to another (:mod:`mover_plugin
@@ -260,7 +261,7 @@ def _child(name: str, rank: int, world: int, port: int) -> int:
     os._exit(0)  # a survivor's teardown would wait for the aborted communicator's threads
 
 
-def _world(rank: int, world: int, port: int) -> Any:
+def _world(rank: int, world: int, port: int, device_id: Any = None) -> Any:
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -270,7 +271,7 @@ def _world(rank: int, world: int, port: int) -> Any:
     register_backend()
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
     dist.init_process_group("mover", store=store, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
+                            timeout=timedelta(seconds=60), device_id=device_id)
     return dist.group.WORLD
 
 
@@ -279,22 +280,29 @@ def _child_nccl_group(rank: int, world: int, port: int) -> tuple[str, str]:
     import torch.distributed as dist
 
     started = time.monotonic()
-    group = _world(rank, world, port)
+    # device_id: c10d connects the group's NCCL backend at once (it looks it up by device)
+    group = _world(rank, world, port, device_id=torch.device("cuda", torch.cuda.current_device()))
+    backend = type(group._get_backend(torch.device("cuda"))).__name__
     tensor = torch.full((1024,), 2.0, device="cuda")
     gathered = torch.empty_like(tensor)
     dist.all_gather_into_tensor(gathered, tensor)  # NCCL's (an all-reduce of one needs none)
     torch.cuda.synchronize()
     made = time.monotonic() - started
+    again = torch.empty_like(tensor)
+    future = dist.all_gather_into_tensor(again, tensor * 2, async_op=True).get_future()
+    doubled = future.then(lambda done: done.value()[0] * 1).wait()  # ordered on this stream
+    future_ok = bool(torch.all(doubled == 4.0)) and doubled.is_cuda
     began = time.monotonic()
     group.abort("gpu_check")
     aborted = time.monotonic() - began
     began = time.monotonic()
     dist.destroy_process_group()
     shut = time.monotonic() - began
-    ok = bool(torch.all(gathered == 2.0))
+    ok = bool(torch.all(gathered == 2.0)) and future_ok and backend == "ProcessGroupNCCL"
     return ("PASS" if ok else "FAIL",
             f"init+all_gather {made:.2f} s abort {aborted * 1e3:.1f} ms "
-            f"shutdown {shut * 1e3:.1f} ms result {'right' if ok else 'wrong'}")
+            f"shutdown {shut * 1e3:.1f} ms result {'right' if ok else 'wrong'} "
+            f"(cuda backend {backend}; future {'right' if future_ok else 'wrong'})")
 
 
 def _child_rng_redo(rank: int, world: int, port: int) -> tuple[str, str]:

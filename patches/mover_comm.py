@@ -21,7 +21,7 @@ from typing import Any
 from mover_plugin.patches.registry import AttributeSwap, Patch, Undo, register_patch
 
 GROUP = "mover-comm"
-TESTED_VERSIONS = ">=2.13.0,<2.14"
+TESTED_VERSIONS = ">=2.13.0,<2.15"
 
 
 def _apply_batch_p2p() -> Undo:

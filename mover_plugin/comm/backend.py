@@ -7,8 +7,8 @@ world_size=..., timeout=...)`` makes the default group a
 ``initialize_model_parallel`` creates its groups this way) inherits the default group's backend
 and gets one too.
 
-How c10d uses the creator (torch 2.13, ``_new_process_group_helper``): for a registered plugin
-it calls the creator once per device type of the backend's capability, with the group's prefix
+How c10d uses the creator (torch 2.13 and 2.14, ``_new_process_group_helper``): for a
+registered plugin it calls the creator once per device type of the backend's capability, with the group's prefix
 store; a creator that returns a ``ProcessGroup`` subclass (rather than a ``Backend``) ends that
 loop and its return value *becomes* the group, which c10d names and registers in its world
 maps. With ``extended_api=True`` the creator receives ``_DistributedBackendOptions`` (store,

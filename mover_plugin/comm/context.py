@@ -10,8 +10,8 @@ process's instance. The public functions of :mod:`~mover_plugin.comm.alarm`,
 :mod:`~mover_plugin.comm.work`, :mod:`~mover_plugin.comm.retired`,
 :mod:`~mover_plugin.comm.process_group`, :mod:`~mover_plugin.comm.backend`,
 :mod:`~mover_plugin.comm.sandbox` and :mod:`~mover_plugin.comm.cancel` act on that instance, and
-those modules document what the state means and how its locks are used. The state objects here only hold the data and the
-locks that guard it (the waiter pool also runs its threads).
+those modules document what the state means and how its locks are used. The state objects here
+only hold the data and the locks that guard it (the waiter pool also runs its threads).
 
 The default instance is never replaced or reset: a retired backend must stay referenced until
 its operations end (or until process exit), and a group compares its alarm epoch with the

@@ -32,7 +32,7 @@ Typical use at a stayer, generation ``g`` to ``g + 1`` with rank 3 replaced::
     ...                                   # (in the background during a planned migration)
     replaced = install_delta(delta)       # {id(old group): new group}, for rewiring references
 
-This module uses c10d's private world maps of torch 2.13 (checked by :func:`check_c10d`).
+This module uses c10d's private world maps of torch 2.13 and 2.14 (checked by :func:`check_c10d`).
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def check_c10d() -> None:
     missing = [name for name in _C10D_NAMES if not hasattr(c10d, name)]
     if missing:
         raise DeltaError(f"torch {torch.__version__} lacks c10d's {', '.join(missing)}: the "
-                         "delta communicators were written for torch 2.13")
+                         "delta communicators were written for torch 2.13 and 2.14")
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,9 @@
 """A ``ProcessGroup`` written in Python that keeps its own name and description.
 
 c10d's base ``ProcessGroup`` keeps a group's name and description in its registered backends.
-The groups of this package register none (they *are* the group c10d names and registers), so
-they keep both themselves. The camelCase methods are the ones the C++ trampoline forwards, the
-others the Python bindings'.
+A group of this package is itself the group c10d names and registers, and its gloo backend may
+carry other groups too, so it keeps both itself. The camelCase methods are the ones the C++
+trampoline forwards, the others the Python bindings'.
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ size, its rank and its groups, but each operation completes at once, locally:
 - all-reduce, reduce and broadcast leave their tensors as they are (as if every peer held the
   same values, or contributed nothing to a sum);
 - all-gather fills every slot with this rank's input, reduce-scatter keeps this rank's chunk;
-- a send goes nowhere, a receive (and an all-to-all) delivers zeros; barriers return.
+- a send goes nowhere, a receive (and an all-to-all) delivers zeros; barriers return;
+  ``batch_isend_irecv`` does the same for each of its operations.
 
 Outputs are written outside autograd, as a real backend writes them (a pipeline stage receives
 into a tensor that requires grad).
@@ -24,7 +25,7 @@ the job's communication pattern; the counts are the ``sandbox`` counters of the 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -32,6 +33,8 @@ import torch.distributed as dist
 from mover_plugin.comm.backend import register_plugin
 from mover_plugin.comm.context import SandboxCounters, default_context
 from mover_plugin.comm.named import NamedProcessGroup
+from mover_plugin.patches import apply_inactive_patches
+from mover_plugin.patches.mover_comm import GROUP as MOVER_COMM
 
 SANDBOX_BACKEND = "mover_sandbox"
 
@@ -203,6 +206,13 @@ class SandboxProcessGroup(NamedProcessGroup):
                        tag: int = 0) -> dist.Work:
         return self.recv(tensors, 0, tag)
 
+    def batch_p2p(self, ops: Sequence[dist.P2POp]) -> list[dist.Work]:
+        """``batch_isend_irecv`` (the ``mover-comm`` patch hands the group its batch): each
+        operation as if issued alone, one work each, as torch issues them on gloo."""
+        return [self.send([op.tensor], op.group_peer, op.tag)
+                if op.op in (dist.isend, dist.send)
+                else self.recv([op.tensor], op.group_peer, op.tag) for op in ops]
+
 
 def _as_list(tensors: Any) -> list[torch.Tensor]:
     return [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
@@ -214,7 +224,12 @@ def _fill_with_copies(output: torch.Tensor, input: torch.Tensor) -> None:
 
 
 def register_sandbox_backend() -> str:
-    """Registers the ``mover_sandbox`` backend with c10d (idempotent); returns its name."""
+    """Registers the ``mover_sandbox`` backend with c10d (idempotent); returns its name.
+
+    The process also gets the ``mover-comm`` patches: a sandbox group has no backend to
+    present per device (it reaches no one), and torch's own ``batch_isend_irecv`` looks one up
+    from torch 2.14 on; patched, it hands the group its batch."""
+    apply_inactive_patches(MOVER_COMM)
     return register_plugin(SANDBOX_BACKEND, _create_group)
 
 

@@ -316,6 +316,13 @@ class AbortableWork(dist.Work):
         """The output tensors of the backend works, in order."""
         return [tensor for item in self._pending for tensor in item.outputs()]
 
+    def _cuda_devices(self) -> list[torch.device]:
+        """The CUDA devices of the operation's tensors (none for gloo's operations)."""
+        if not self._stream_ordered:
+            return []
+        devices = {tensor.device for tensor in self.result() if tensor.is_cuda}
+        return sorted(devices, key=lambda device: device.index or 0)
+
     def _values(self) -> list[torch.Tensor]:
         """The backend futures' values (their output tensors), for :meth:`get_future`."""
         return [tensor for item in self._pending for tensor in item.future_outputs()]
@@ -383,11 +390,14 @@ class AbortableWork(dist.Work):
 
     def get_future(self) -> torch.futures.Future:
         """A future completed with :meth:`result` when the operation completes, or with the
-        error when it fails or is aborted. A pool thread waits for it."""
+        error when it fails or is aborted. A pool thread waits for it. For an operation on
+        CUDA tensors the future is on their devices, as c10d's NCCL futures are: a consumer
+        (``wait``, ``value``, a ``then`` callback) is ordered after the operation on its own
+        current stream."""
         with self._future_lock:
             if self._future is not None:
                 return self._future
-            future: torch.futures.Future = torch.futures.Future()
+            future: torch.futures.Future = torch.futures.Future(devices=self._cuda_devices())
             self._future = future
 
         def complete() -> None:

@@ -322,6 +322,16 @@ def _collectives(rank: int, store: dist.Store, port: int) -> dict:
         work.wait()
     checks["batch_isend_irecv"] = bool(torch.all(incoming == 20.0 + peer))
     checks["batch_works"] = [type(work).__name__ for work in works]
+    # The backends torch's own functions look up by device, as on c10d's groups, and torch's
+    # batch_isend_irecv itself (not the patch's), which looks its group's backend up.
+    checks["device_types"] = [str(device) for device in pp._device_types]
+    checks["cpu_backend"] = type(pp._get_backend(torch.device("cpu"))).__name__
+    incoming = torch.empty(2)
+    ops = [dist.P2POp(dist.isend, torch.full((2,), 30.0 + rank), peer, group=pp),
+           dist.P2POp(dist.irecv, incoming, peer, group=pp)]
+    for work in dist.batch_isend_irecv.__wrapped__(ops):
+        work.wait()
+    checks["torch_batch_isend_irecv"] = incoming.tolist() == [30.0 + peer] * 2
 
     # The coalescing manager, as Megatron's DDP uses it for bucketed grad reduction.
     buckets = [torch.full((2,), float(rank)), torch.full((3,), 1.0)]
@@ -395,6 +405,7 @@ def test_collectives_and_p2p_on_default_and_sub_groups() -> None:
         assert checks["world_type"] == "WorldGroup" and checks["world_is_mover_group"]
         assert checks["async_work_type"] == "AbortableWork"
         assert checks["batch_works"] == ["AbortableWork"]  # one work for the batch
+        assert checks["device_types"] == ["cpu"] and checks["cpu_backend"] == "ProcessGroupGloo"
         assert checks["sub_types"] == {"MoverProcessGroup"}
         assert checks["ranks"] == (rank % 2, 2, [2, 3][rank % 2], [[0, 2], [1, 3]][rank % 2],
                                    rank // 2)
