@@ -18,7 +18,16 @@ would). Then, from one common start signal:
   groups that contain the replaced rank (:mod:`mover_plugin.comm.delta`), keeping the rest,
   a group's members connect to their ring neighbours at creation and to other peers on first
   use, and groups with the same members share one gloo backend
-  (:class:`~mover_plugin.comm.process_group.MoverProcessGroup`).
+  (:class:`~mover_plugin.comm.process_group.MoverProcessGroup`);
+* reconfigure — torch 2.14's experimental fault-tolerance API on gloo, in place of new groups:
+  each distinct set of members (the world, a stage's data-parallel ranks, a pipeline pair) is
+  one ``ProcessGroupGloo`` created with ``enable_reconfigure=True``, configured by exchanging
+  its members' reconfigure handles through the store; in the switch the members of the sets
+  holding the replaced rank and the new process reconfigure those backends in place with the
+  new process's handle (no group object replaced, nothing to rewire), and every other backend is
+  kept. c10d's ``new_group`` cannot create groups in that regime (only ``init_process_group``
+  can), so this way drives the backends directly rather than through Megatron-Core. Skipped
+  on a torch without the API.
 
 Each staying process then runs a first all-reduce on the default group and on its
 data-parallel and pipeline groups (the sums check that the new process took part). Printed:
@@ -50,7 +59,7 @@ import statistics
 import time
 import warnings
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -66,7 +75,7 @@ from mover_plugin.runtime.rewire import rewire_module_globals
 WORLD_SIZES = (4, 8, 16)
 PIPELINE = 2
 TIMEOUT = timedelta(seconds=120)
-WAYS = ("full", "delta-mesh", "delta")
+WAYS = ("full", "delta-mesh", "reconfigure", "delta")
 
 _CONTEXT = multiprocessing.get_context("forkserver")
 _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "megatron.core.parallel_state"])
@@ -113,10 +122,36 @@ def _rank_main(rank: int, world: int, port: int, way: str, joiner: bool, results
     register_backend()
     MoverProcessGroup.c10d_gloo = way != "delta"
     store = _connect(port)
+
+    def switch() -> int:
+        from megatron.core import parallel_state
+
+        if joiner or way == "full":
+            if not joiner:
+                parallel_state.destroy_model_parallel()
+                dist.destroy_process_group()
+            _init_generation(store, 1, rank, world, way)
+            return len(member_groups())
+        delta = prepare_delta(dist.PrefixStore("gen1/", store), {world - 1}, timeout=TIMEOUT)
+        rewire_module_globals(parallel_state, install_delta(delta))
+        return len(delta.replacements)
+
+    _measure(store, rank, world, joiner, results,
+             warm_up=lambda: _init_generation(store, 0, rank, world, way), switch=switch,
+             first_collectives=_first_collectives)
+
+
+def _measure(store: dist.Store, rank: int, world: int, joiner: bool, results: Any, *,
+             warm_up: Callable[[], None], switch: Callable[[], int],
+             first_collectives: Callable[[float], list[float]]) -> None:
+    """One process's part of a measurement, whichever way: the first generation is built
+    (``warm_up``) and used; at the start signal the replaced process exits, the others and the
+    new one ``switch`` (returning how many groups they rebuilt) and run their
+    ``first_collectives``; the costs and sums go to ``results``."""
     try:
         if not joiner:
-            _init_generation(store, 0, rank, world, way)
-            _first_collectives(1.0)
+            warm_up()
+            first_collectives(1.0)
             store.set(f"warm/{rank}", "1")
             if rank == world - 1:
                 store.wait(["go"], TIMEOUT)  # the replaced process leaves
@@ -127,24 +162,8 @@ def _rank_main(rank: int, world: int, port: int, way: str, joiner: bool, results
         before = established_connections()
         started = time.perf_counter()
         cpu, main_cpu = time.process_time(), time.thread_time()
-        if joiner:
-            _init_generation(store, 1, rank, world, way)
-            rebuilt = len(member_groups())
-        elif way == "full":
-            from megatron.core import parallel_state
-
-            parallel_state.destroy_model_parallel()
-            dist.destroy_process_group()
-            _init_generation(store, 1, rank, world, way)
-            rebuilt = len(member_groups())
-        else:
-            from megatron.core import parallel_state
-
-            delta = prepare_delta(dist.PrefixStore("gen1/", store), {world - 1},
-                                  timeout=TIMEOUT)
-            rewire_module_globals(parallel_state, install_delta(delta))
-            rebuilt = len(delta.replacements)
-        sums = _first_collectives(2.0 if joiner else 1.0)
+        rebuilt = switch()
+        sums = first_collectives(2.0 if joiner else 1.0)
         cpu, main_cpu = time.process_time() - cpu, time.thread_time() - main_cpu
         above_idle = cpu - idle_rate * (time.perf_counter() - started)
         opened = len(established_connections() - before)
@@ -152,6 +171,85 @@ def _rank_main(rank: int, world: int, port: int, way: str, joiner: bool, results
         results.put((-1 if joiner else rank, costs, sums))
     except BaseException as error:  # reported to the parent, which fails the run
         results.put((rank, None, repr(error)))
+
+
+def _member_sets(world: int) -> dict[str, tuple[int, ...]]:
+    """The distinct sets of members of TP1 x PP2 x DP(N/2), named: the world, each stage's
+    data-parallel ranks, each pipeline pair."""
+    dp = world // PIPELINE
+    sets = {"world": tuple(range(world))}
+    sets.update({f"dp{stage}": tuple(range(stage * dp, (stage + 1) * dp))
+                 for stage in range(PIPELINE)})
+    sets.update({f"pp{index}": tuple(range(index, world, dp)) for index in range(dp)})
+    return sets
+
+
+def _reconfigure(store: dist.Store, name: str, uuid: int, members: tuple[int, ...], rank: int,
+                 backend: Any) -> None:
+    """Configures ``backend`` (set ``name``) over ``members``: every member posts its handle,
+    then all reconfigure with the handles in member order."""
+    from torch._C._distributed_c10d import ReconfigureOptions
+
+    store.set(f"rc/{name}/{uuid}/{rank}", backend.get_reconfigure_handle())
+    keys = [f"rc/{name}/{uuid}/{member}" for member in members]
+    store.wait(keys, TIMEOUT)
+    options = ReconfigureOptions()
+    options.uuid = uuid
+    options.handles = [store.get(key).decode() for key in keys]
+    options.timeout = TIMEOUT
+    backend.reconfigure(options).wait()
+
+
+def _reconfigurable_backends(store: dist.Store, rank: int, world: int,
+                             uuid: int) -> dict[str, Any]:
+    """This rank's backends, one per set holding it, each configured over its members."""
+    backends = {}
+    for index, (name, members) in enumerate(_member_sets(world).items()):
+        if rank in members:
+            backend = dist.ProcessGroupGloo(dist.PrefixStore(f"{name}/", store),
+                                            members.index(rank), len(members), TIMEOUT,
+                                            enable_reconfigure=True)
+            _reconfigure(store, name, uuid + index, members, rank, backend)
+            backends[name] = backend
+    return backends
+
+
+def _first_collectives_on(backends: dict[str, Any], rank: int, world: int,
+                          value: float) -> list[float]:
+    """The sums of an all-reduce on the world, data-parallel and pipeline backends."""
+    dp = world // PIPELINE
+    sums = []
+    for name in ("world", f"dp{rank // dp}", f"pp{rank % dp}"):
+        tensor = torch.tensor([value])
+        backends[name].allreduce([tensor]).wait()
+        sums.append(tensor.item())
+    return sums
+
+
+def _reconfigure_rank_main(rank: int, world: int, port: int, joiner: bool,
+                           results: Any) -> None:
+    """The reconfigure way's process (see the module docstring)."""
+    parent_death_signal(signal.SIGKILL)()
+    torch.set_num_threads(1)
+    store = _connect(port)
+    sets = _member_sets(world)
+    backends: dict[str, Any] = {}
+
+    def warm_up() -> None:
+        backends.update(_reconfigurable_backends(store, rank, world, uuid=0))
+
+    def switch() -> int:
+        if joiner:
+            backends.update(_reconfigurable_backends(store, rank, world, uuid=100))
+            return len(backends)
+        mine = [name for name, members in sets.items() if world - 1 in members and rank in members]
+        for name in mine:
+            _reconfigure(store, name, 100 + list(sets).index(name), sets[name], rank,
+                         backends[name])
+        return len(mine)
+
+    _measure(store, rank, world, joiner, results, warm_up=warm_up, switch=switch,
+             first_collectives=lambda value: _first_collectives_on(backends, rank, world, value))
 
 
 def _idle_cpu_rate(seconds: float = 0.3) -> float:
@@ -167,12 +265,15 @@ def measure(world: int, way: str) -> dict[str, float]:
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                            timeout=TIMEOUT)
     results = _CONTEXT.Queue()
-    processes = [_CONTEXT.Process(target=_rank_main, args=(rank, world, master.port, way,
-                                                           False, results), daemon=True)
-                 for rank in range(world)]
-    processes.append(_CONTEXT.Process(target=_rank_main, args=(world - 1, world, master.port,
-                                                               way, True, results),
-                                      daemon=True))
+
+    def process(rank: int, joiner: bool) -> Any:
+        if way == "reconfigure":
+            target, args = _reconfigure_rank_main, (rank, world, master.port, joiner, results)
+        else:
+            target, args = _rank_main, (rank, world, master.port, way, joiner, results)
+        return _CONTEXT.Process(target=target, args=args, daemon=True)
+
+    processes = [process(rank, False) for rank in range(world)] + [process(world - 1, True)]
     try:
         for process in processes:
             process.start()
@@ -236,32 +337,40 @@ GOAL_SERIES = "cpu_above_idle"
 def main() -> None:
     parser = benchmark_parser(__doc__, repeats=2)
     parser.add_argument("--world-sizes", type=int, nargs="+", default=list(WORLD_SIZES))
+    parser.add_argument("--ways", nargs="+", choices=WAYS, default=list(WAYS),
+                        help="the ways to measure (the delta is measured in any case)")
     args = parser.parse_args()
     if args.repeats < 1 or any(w < 2 * PIPELINE or w % PIPELINE for w in args.world_sizes):
         parser.error(f"--repeats must be >= 1 and world sizes even and >= {2 * PIPELINE}")
+    ways = [way for way in WAYS if way in args.ways or way == "delta"]
+    if "reconfigure" in ways and not hasattr(dist.ProcessGroupGloo, "reconfigure"):
+        print(f"reconfigure skipped: torch {torch.__version__} has no reconfigure API (2.14+)")
+        ways.remove("reconfigure")
     samples: dict[str, dict[tuple[int, str], list[float]]] = {name: {} for name in SERIES}
     for _ in range(args.repeats):
         for world in args.world_sizes:
-            for way in WAYS:  # interleaved
+            for way in ways:  # interleaved
                 for name, value in measure(world, way).items():
                     samples[name].setdefault((world, way), []).append(value)
     print(f"replacing one rank, TP1 x PP{PIPELINE} x DP(N/2), median of {args.repeats} "
-          f"(this machine: {os.cpu_count()} cores shared by all ranks)")
+          f"(this machine: {os.cpu_count()} cores shared by all ranks; torch {torch.__version__})")
     for name, title in SERIES.items():
-        _print_series(title, samples[name], args.world_sizes, goal=name == GOAL_SERIES)
+        _print_series(title, samples[name], args.world_sizes, ways, goal=name == GOAL_SERIES)
 
 
 def _print_series(title: str, samples: dict[tuple[int, str], list[float]],
-                  world_sizes: list[int], *, goal: bool) -> None:
+                  world_sizes: list[int], ways: list[str], *, goal: bool) -> None:
     medians = {key: statistics.median(values) for key, values in samples.items()}
     print(f"\n{title}")
-    print(f"{'world':>6}" + "".join(f"{way:>12}" for way in WAYS) + f"{'full/delta':>12}")
+    print(f"{'world':>6}" + "".join(f"{way:>12}" for way in ways)
+          + "".join(f"{way + '/delta':>18}" for way in ways[:-1]))
     for world in world_sizes:
-        row = [medians[(world, way)] for way in WAYS]
+        row = [medians[(world, way)] for way in ways]
         print(f"{world:>6}" + "".join(f"{value:>12.3f}" for value in row)
-              + f"{row[0] / row[-1]:>11.1f}x")
+              + "".join(f"{value / row[-1]:>17.2f}x" if row[-1] else f"{'-':>18}"
+                        for value in row[:-1]))
     first, last = world_sizes[0], world_sizes[-1]
-    for way in WAYS:
+    for way in ways:
         growth = medians[(last, way)] / medians[(first, way)]
         verdict = f" (goal <= 1.2x: {'met' if growth <= 1.2 else 'MISSED'})"
         print(f"{way}: {first} -> {last} ranks grows {growth:.2f}x"

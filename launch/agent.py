@@ -486,7 +486,10 @@ class Agent:
         if ranked and all(w.exited and self._outcome(w)[0] == 0 for w in ranked):
             steps = min(w.step_completed for w in ranked)
             workers = [w.progress_fields() for w in ranked]
-            self._stop_workers()  # the standbys left over
+            # The standbys left over: stopped as the controller's wind_down would, which may
+            # come after (every rank here can end before the first one's exit reached it).
+            self._wind_down()
+            self._stop_workers()
             self._step_times.post()
             self._post("node_done", steps_completed=steps, workers=workers)
 

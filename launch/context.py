@@ -22,6 +22,7 @@ every kind of recovery builds on.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ from mover_plugin.contract import (
     LAYOUT_KEY,
     NOTICE_KINDS,
     TEMPLATES_KEY,
+    GenerationPlan,
     make_command,
     plan_key,
     promotion_key,
@@ -123,7 +125,7 @@ class AttemptState:
     refills_started: int = 0
     rejoin_standbys: int = 0
     """Standbys started for hosts that came back, in this attempt."""
-    shrunk: Optional[dict[str, Any]] = None
+    shrunk: Optional[GenerationPlan] = None
     """The plan of the generation the survivors shrank to, when no standby was ready for a
     lost rank: the attempt trains on pipeline templates from then on."""
 
@@ -203,13 +205,14 @@ class Context:
         self.store.set(CURRENT_GENERATION_KEY, str(generation))
         self.generation = GenerationState()
 
-    def plan_generation(self, record: dict[str, Any], *, link: bool = True) -> int:
-        """Starts the generation after the current one with ``record`` as its plan, and
+    def plan_generation(self, plan: GenerationPlan, *, link: bool = True) -> int:
+        """Starts the generation after the current one with ``plan`` as its plan, and
         (with ``link``; a migration does it at its point of no return) tells the current one's
         processes which generation follows theirs. Returns the generation it follows."""
         old, new = self.job.generation, self.job.last_generation + 1
         self.begin_generation(new)
-        self.store.set(plan_key(new), json.dumps({"generation": new, **record}))
+        plan = dataclasses.replace(plan, generation=new)
+        self.store.set(plan_key(new), json.dumps(plan.to_record()))
         if link:
             self.store.set(successor_key(old), str(new))
         return old

@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
-from mover_plugin.contract import GROW_PLAN, SWITCH
+from mover_plugin.contract import SWITCH, GenerationPlan, PlanKind
 from mover_plugin.generations import Membership, Replacement, plan_return
 from mover_plugin.launch.context import Context, Event, EventHandler, Unit
 from mover_plugin.launch.recovery import HANDLED, Claim
@@ -36,7 +36,7 @@ from mover_plugin.shrink import plan_grow
 
 logger = logging.getLogger(__name__)
 
-GROWTH = GROW_PLAN
+GROWTH = PlanKind.GROW.value
 """The kind (and recovery) of the summary's interruption for growing back."""
 
 
@@ -80,16 +80,14 @@ class GrowBack(Unit):
         assert layout is not None and spec is not None, "a shrunk job published both"
         before = _Growing(ctx.attempt.number, ctx.job.generation, ctx.job.membership,
                           dict(ctx.job.node_of_rank))
-        plan = plan_return(shrunk["lost"], ctx.attempt.pool, ctx.job.node_of_rank)
+        plan = plan_return(shrunk.lost, ctx.attempt.pool, ctx.job.node_of_rank)
         if plan is None:
             return None
         job, moves = plan_grow(shrunk, layout, spec)
         ctx.job.membership = ctx.job.membership.next_generation(plan)
-        old = ctx.plan_generation({"kind": GROW_PLAN, "world_size": ctx.config.world_size,
-                                   "replacements": [vars(item) for item in plan],
-                                   "survivors": shrunk["survivors"],
-                                   "moves": [list(move) for move in moves],
-                                   "describe": job.describe()})
+        old = ctx.plan_generation(GenerationPlan(
+            PlanKind.GROW, ctx.config.world_size, replacements=tuple(plan),
+            survivors=shrunk.survivors, moves=tuple(moves), describe=job.describe()))
         now = time.time()
         item = Interruption(kind=GROWTH, rank=plan[0].rank, step=0, how="standby ready",
                             injected=False, attempt=ctx.attempt.number, recovery=GROWTH,

@@ -25,12 +25,13 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
 from mover_plugin.contract import (
-    MIGRATION_PLAN,
     SWITCH_CANCEL,
     SWITCH_GO,
     request_done_key,
     successor_key,
     switch_decision_key,
+    GenerationPlan,
+    PlanKind,
 )
 from mover_plugin.generations import Membership, Replacement
 from mover_plugin.launch.context import Context, Event, EventHandler, Unit
@@ -113,9 +114,9 @@ class Migrations(Unit):
         ctx, now = self._ctx, time.time()
         before = (ctx.job.membership, dict(ctx.job.node_of_rank))
         ctx.job.membership = ctx.job.membership.next_generation(plan)
-        old = ctx.plan_generation({"world_size": ctx.config.world_size, "kind": MIGRATION_PLAN,
-                                   "replacements": [vars(item) for item in plan],
-                                   "fault": fault}, link=False)
+        old = ctx.plan_generation(GenerationPlan(PlanKind.MIGRATION, ctx.config.world_size,
+                                                 replacements=tuple(plan), fault=fault),
+                                  link=False)
         interruption = Interruption(kind="migration", rank=plan[0].rank, step=0, how="planned",
                                     injected=False, attempt=ctx.attempt.number,
                                     recovery="standby", generation=ctx.job.generation,

@@ -30,6 +30,7 @@ import logging
 import time
 from typing import Callable, Literal, Mapping, Optional, Protocol, Union
 
+from mover_plugin.contract import GenerationPlan, PlanKind
 from mover_plugin.generations import Fallback, Replacement, plan_recovery
 from mover_plugin.launch.attempts import Attempts
 from mover_plugin.launch.context import AttemptPhase, Context, Event, EventHandler, Unit
@@ -164,27 +165,27 @@ class CrashRecovery(Unit):
         """Starts the survivors' generation on pipeline templates, planned from ``spec``
         (``why``: no standby). The event log keeps the profile the plan came from."""
         ctx = self._ctx
-        record = plan.to_record(lost)
-        ctx.attempt.shrunk = record
+        shrunk = plan.generation_plan(lost)
         ctx.job.membership = ctx.job.membership.without(lost)
-        old = ctx.plan_generation(record)
+        old = ctx.plan_generation(shrunk)
+        ctx.attempt.shrunk = shrunk
         ctx.notify(old, "alarm", reason=f"rank {interruption.rank} lost")
         ctx.command("drop", ranks=lost)
         ctx.command("generation", generation=ctx.job.generation)
         now = time.time()
         interruption.recovery = "shrink"
-        interruption.plan = record["describe"]
+        interruption.plan = shrunk.describe
         interruption.generation = ctx.job.generation
         interruption.mark("alarm", now)
         self._timing.note_left(interruption)
         for listener in self._slots_freed:  # the lost ranks' slots: refills grow it back
             listener([ctx.job.node_of_rank[rank] for rank in lost])
-        ctx.record("shrink", "switch", when=now, lost=lost, survivors=record["survivors"],
-                   plan=record["describe"], moved=len(plan.moves), reason=why,
+        ctx.record("shrink", "switch", when=now, lost=lost, survivors=list(shrunk.survivors),
+                   plan=shrunk.describe, moved=len(plan.moves), reason=why,
                    profile_source=spec.profile_source, profile=spec.profile)
         logger.warning("generation %d: ranks %s go on without rank(s) %s on pipeline templates "
                        "%s, planned from the %s profile (%s)", ctx.job.generation,
-                       record["survivors"], lost, record["describe"], spec.profile_source, why)
+                       list(shrunk.survivors), lost, shrunk.describe, spec.profile_source, why)
 
     def _lost_ranks(self, event: Event, leaver: bool) -> Optional[list[int]]:
         """The ranks to recover, or None when a coordinator handled the failure."""
@@ -213,9 +214,9 @@ class CrashRecovery(Unit):
         fresh = [item for item in plan if item.rank in lost]
         freed = [ctx.job.node_of_rank[item.rank] for item in fresh]
         ctx.job.membership = ctx.job.membership.next_generation(plan)
-        old = ctx.plan_generation({"world_size": ctx.config.world_size,
-                                   "replacements": [vars(item) for item in plan],
-                                   "rebuild_all": rebuild_all})
+        old = ctx.plan_generation(GenerationPlan(PlanKind.CRASH, ctx.config.world_size,
+                                                 replacements=tuple(plan),
+                                                 rebuild_all=rebuild_all))
         ctx.generation.joiners = list(plan)
         ctx.notify(old, "alarm", reason=f"rank {interruption.rank} lost")
         ctx.promote(fresh, migration=False)

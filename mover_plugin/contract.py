@@ -9,7 +9,8 @@ agents and workers post to the controller, each kind with the fields it carries.
 
 * ``gen/current`` — the current generation number;
 * ``gen{g}/...`` — generation ``g``'s namespace: its process groups rendezvous under it;
-* ``gen{g}/plan`` — how generation ``g`` was formed (JSON: replacements with their twins);
+* ``gen{g}/plan`` — how generation ``g`` was formed (JSON of a :class:`GenerationPlan`:
+  replacements with their twins, or a shrink's or a growth's layout);
 * ``gen{g}/next`` — the generation that follows ``g`` (a planned generation that was
   abandoned, e.g. a migration whose joiner died, is skipped, its namespace never reused). For a
   migration it is set only at the migration's point of no return, once every rank of ``g`` has
@@ -52,9 +53,13 @@ unknown ``op`` or a missing or mistyped field, and an agent ignores (and logs) a
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, TypeVar, Union
+
+from mover_plugin.generations import Replacement
 
 # -- environment of a process started by an agent ---------------------------------------------
 
@@ -144,14 +149,94 @@ SWITCH = "switch"
 """Switch to the migration's generation at the next iteration boundary."""
 NOTICE_KINDS = (ALARM, PREPARE, SWITCH)
 
-# -- the kinds of a generation's plan (``gen{g}/plan``'s ``kind``; none: a crash's replacements) --
+# -- a generation's plan (``gen{g}/plan``): the controller to the generation's processes ---------
 
-MIGRATION_PLAN = "migration"
-"""Standbys take ranks that leave (a planned migration)."""
-SHRINK_PLAN = "shrink"
-"""No standby was ready: the survivors form a world of their own on pipeline templates."""
-GROW_PLAN = "grow"
-"""A shrunk job returns to its own layout, standbys taking the lost ranks."""
+
+class PlanKind(enum.Enum):
+    """How a generation was formed."""
+
+    CRASH = "crash"
+    """Standbys take lost ranks (with replacements carried over from a switch under way)."""
+    MIGRATION = "migration"
+    """Standbys take ranks that leave (a planned migration)."""
+    SHRINK = "shrink"
+    """No standby was ready: the survivors form a world of their own on pipeline templates."""
+    GROW = "grow"
+    """A shrunk job returns to its own layout, standbys taking the lost ranks."""
+
+
+Move = tuple[str, int, int]
+"""One unit of a pipeline-template relayout: (unit, source rank, destination rank)."""
+
+
+@dataclass(frozen=True)
+class GenerationPlan:
+    """How generation ``generation`` is formed: the controller writes it before the
+    generation's processes need it, and every one of them reads it.
+
+    ``replacements`` name the standbys that take ranks (crash, migration, grow).
+    ``rebuild_all`` (crash): the switch before did not complete, so every group is rebuilt.
+    ``fault`` (migration): a fault injected into its phases. ``survivors`` (shrink, grow):
+    the job ranks that trained on through the shrink, the i-th being rank i of its world.
+    ``lost`` (shrink): the ranks it went on without. ``placement`` (shrink): the templates'
+    placement record in the survivors' ranks. ``moves`` (shrink, grow): the units every rank
+    sends and receives, in order. ``describe``: the placement in words, for logs."""
+
+    kind: PlanKind
+    world_size: int
+    replacements: tuple[Replacement, ...] = ()
+    rebuild_all: bool = False
+    fault: Optional[str] = None
+    survivors: tuple[int, ...] = ()
+    lost: tuple[int, ...] = ()
+    placement: Optional[Mapping[str, Any]] = None
+    moves: tuple[Move, ...] = ()
+    describe: str = ""
+    generation: int = -1
+    """Set by the controller when it writes the plan."""
+
+    @property
+    def replaced_ranks(self) -> frozenset[int]:
+        """The ranks standbys take."""
+        return frozenset(item.rank for item in self.replacements)
+
+    def replacement_of(self, rank: int, standby: Optional[str] = None) -> Optional[Replacement]:
+        """The replacement that gives ``rank`` (to ``standby``, when named), or None."""
+        return next((item for item in self.replacements if item.rank == rank
+                     and standby in (None, item.standby)), None)
+
+    def to_record(self) -> dict[str, Any]:
+        """The plan as JSON-ready data (what ``gen{g}/plan`` holds)."""
+        return {"generation": self.generation, "kind": self.kind.value,
+                "world_size": self.world_size,
+                "replacements": [dataclasses.asdict(item) for item in self.replacements],
+                "rebuild_all": self.rebuild_all, "fault": self.fault,
+                "survivors": list(self.survivors), "lost": list(self.lost),
+                "placement": None if self.placement is None else dict(self.placement),
+                "moves": [list(move) for move in self.moves], "describe": self.describe}
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any]) -> "GenerationPlan":
+        """The plan :meth:`to_record` wrote; raises ``ValueError`` naming what is wrong."""
+        problem = _fields_problem("a generation plan", record, {
+            "generation": int, "kind": str, "world_size": int, "replacements": LIST,
+            "rebuild_all": bool, "fault": OPTIONAL_STR, "survivors": LIST, "lost": LIST,
+            "placement": (dict, type(None)), "moves": LIST, "describe": str})
+        if problem is not None:
+            raise ValueError(problem)
+        try:
+            kind = PlanKind(record["kind"])
+        except ValueError:
+            raise ValueError(f"a generation plan of unknown kind {record['kind']!r}; kinds: "
+                             f"{', '.join(k.value for k in PlanKind)}") from None
+        return cls(kind=kind, world_size=record["world_size"],
+                   replacements=tuple(Replacement(**item) for item in record["replacements"]),
+                   rebuild_all=record["rebuild_all"], fault=record["fault"],
+                   survivors=tuple(record["survivors"]), lost=tuple(record["lost"]),
+                   placement=record["placement"],
+                   moves=tuple((str(unit), int(source), int(destination))
+                               for unit, source, destination in record["moves"]),
+                   describe=record["describe"], generation=record["generation"])
 
 
 def encode_notice(notice: dict[str, Any]) -> bytes:

@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Optional, Sequence, Union
 
-from mover_plugin.contract import SHRINK_PLAN
+from mover_plugin.contract import GenerationPlan, PlanKind
 from mover_plugin.generations import Fallback
 from mover_plugin.layout import ParallelLayout
 from mover_plugin.placement import Placement, PlacementError, transfers
@@ -132,12 +132,12 @@ class ShrinkPlan:
     """(unit, source, destination) in the new world's ranks, in the order every rank sends
     and receives them."""
 
-    def to_record(self, lost: Sequence[int]) -> dict[str, Any]:
-        """The generation's plan record (``kind`` :data:`~mover_plugin.contract.SHRINK_PLAN`)."""
-        return {"kind": SHRINK_PLAN, "world_size": len(self.survivors), "lost": sorted(lost),
-                "survivors": list(self.survivors), "placement": self.placement.to_record(),
-                "moves": [list(move) for move in self.moves],
-                "describe": self.placement.describe()}
+    def generation_plan(self, lost: Sequence[int]) -> GenerationPlan:
+        """The survivors' generation's plan (``lost``: the job ranks it goes on without)."""
+        return GenerationPlan(PlanKind.SHRINK, world_size=len(self.survivors),
+                              lost=tuple(sorted(lost)), survivors=self.survivors,
+                              placement=self.placement.to_record(), moves=tuple(self.moves),
+                              describe=self.placement.describe())
 
 
 def job_placement(layout: ParallelLayout, spec: TemplateSpec) -> Placement:
@@ -185,12 +185,13 @@ def _instantiation(templates: Any, hosts: int, microbatches: int, fault_toleranc
     return instantiate(templates, hosts, microbatches, 0)
 
 
-def plan_grow(shrunk: Mapping[str, Any], layout: ParallelLayout,
+def plan_grow(shrunk: GenerationPlan, layout: ParallelLayout,
               spec: TemplateSpec) -> tuple[Placement, list[tuple[str, int, int]]]:
-    """The job's own placement again after the shrink whose plan record is ``shrunk``, and the
+    """The job's own placement again after the shrink whose plan is ``shrunk``, and the
     moves that bring every rank its units (job ranks; the lost ranks come back empty)."""
-    survivors = shrunk["survivors"]
+    survivors = shrunk.survivors
+    assert shrunk.placement is not None, "a shrink's plan has its placement"
     job = job_placement(layout, spec)
-    templates = Placement.of_record(shrunk["placement"]).renumbered(dict(enumerate(survivors)))
-    listed = transfers(templates, job, live=survivors, fresh=shrunk["lost"])
+    templates = Placement.of_record(shrunk.placement).renumbered(dict(enumerate(survivors)))
+    listed = transfers(templates, job, live=survivors, fresh=shrunk.lost)
     return job, [(t.unit, t.source, t.destination) for t in listed]

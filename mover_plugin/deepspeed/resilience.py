@@ -56,6 +56,7 @@ import torch
 import torch.distributed as dist
 
 from mover_plugin.comm.world import cover_world
+from mover_plugin.contract import GenerationPlan
 from mover_plugin.deepspeed.config import DeepSpeedResilience as ResilienceBlock
 from mover_plugin.deepspeed.engine_state import (
     counters,
@@ -305,7 +306,7 @@ class DeepSpeedResilience:
         dist.all_gather_object(records, self._record() if contribute else None)
         return decide_continuation(records, self.peer_copy, off="peer_copy is off")
 
-    def continue_after_crash(self, plan: dict[str, Any],
+    def continue_after_crash(self, plan: GenerationPlan,
                              snapshot: dict[str, Any]) -> Continuation:
         target, rollback, holders = self._agree(contribute=True)
         reset_interrupted_step(self._engine)

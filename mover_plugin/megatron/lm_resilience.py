@@ -59,6 +59,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from mover_plugin.comm.world import cover_world
+from mover_plugin.contract import GenerationPlan
 from mover_plugin.errors import LaunchError
 from mover_plugin.megatron.checkpoint import restore_rng_state
 from mover_plugin.megatron.distributed_optimizer import ensure_shard_state
@@ -278,7 +279,7 @@ class MegatronLMResilience(MegatronResilience):
     def _measuring(self) -> contextlib.AbstractContextManager[Any]:
         return rerun_checks_off()
 
-    def continue_on_templates(self, plan: dict[str, Any],
+    def continue_on_templates(self, plan: GenerationPlan,
                               snapshot: dict[str, Any]) -> Continuation:
         # A shrink started again after another loss: the job's layout is read first.
         StageView.leave(self.args)
@@ -402,7 +403,7 @@ class MegatronLMResilience(MegatronResilience):
         super().leave_templates()
         StageView.leave(self.args)
 
-    def continue_after_growth(self, plan: dict[str, Any]) -> int:
+    def continue_after_growth(self, plan: GenerationPlan) -> int:
         """Back on the job's layout; a survivor's training data iterator starts again where
         the job is (it read nothing while on the templates)."""
         received = super().continue_after_growth(plan)

@@ -70,6 +70,7 @@ import torch
 import torch.distributed as dist
 
 from mover_plugin.comm.world import cover_world
+from mover_plugin.contract import GenerationPlan
 from mover_plugin.errors import LaunchError
 from mover_plugin.megatron.checkpoint import capture_rng_state, restore_rng_state
 from mover_plugin.megatron.distributed_optimizer import (
@@ -290,16 +291,15 @@ class MegatronResilience:
 
     # -- after a crash (FrameworkAdapter) -------------------------------------------------
 
-    def continue_after_crash(self, plan: dict[str, Any],
+    def continue_after_crash(self, plan: GenerationPlan,
                              snapshot: dict[str, Any]) -> Continuation:
         if self._sharded:
             return self._continue_sharded(snapshot)
         target = self._agree_on_iteration(contribute=True)
         self._settle_iteration(target, snapshot)
-        return Continuation(target, {item["rank"]: item["twin"]
-                                     for item in plan["replacements"]})
+        return Continuation(target, {item.rank: item.twin for item in plan.replacements})
 
-    def continue_on_templates(self, plan: dict[str, Any],
+    def continue_on_templates(self, plan: GenerationPlan,
                               snapshot: dict[str, Any]) -> Continuation:
         assert self._recipe is not None, "a shrink plan for a job that published no spec"
         target = self._agree_on_iteration(contribute=True)
@@ -329,7 +329,7 @@ class MegatronResilience:
         self._shrunk.trainer.groups.destroy()
         self.teardown()  # what the templates set in parallel_state (its memory buffer)
 
-    def continue_after_growth(self, plan: dict[str, Any]) -> int:
+    def continue_after_growth(self, plan: GenerationPlan) -> int:
         assert self._shrunk is not None
         target = self._agree_on_iteration(contribute=True)
         if target != self.runtime.ledger.applied:
@@ -343,7 +343,7 @@ class MegatronResilience:
         self._shrunk = None
         return received
 
-    def join_after_growth(self, plan: dict[str, Any]) -> Continuation:
+    def join_after_growth(self, plan: GenerationPlan) -> Continuation:
         target = self._agree_on_iteration(contribute=False)
         carried, received = move_back(plan, self.runtime.rank, None, self._job_state(), None)
         load_schedule(self._scheduler, carried["schedule"])

@@ -42,6 +42,8 @@ from typing import Any, Optional, Protocol
 
 import torch
 
+from mover_plugin.contract import GenerationPlan
+
 
 class Transfer(enum.Enum):
     """Which state travels to a joiner, from whom."""
@@ -75,7 +77,7 @@ class Continuation:
 class TemplateParticipant(Protocol):
     """An adapter's part in training on pipeline templates (see the module docstring)."""
 
-    def continue_on_templates(self, plan: dict[str, Any],
+    def continue_on_templates(self, plan: GenerationPlan,
                               snapshot: dict[str, Any]) -> Continuation:
         """A survivor's part of a shrink, once the survivors' world exists: agrees with the
         others on the iteration, moves its training onto the ``plan``'s pipeline templates
@@ -87,13 +89,13 @@ class TemplateParticipant(Protocol):
         """Growing back, at a survivor: releases the groups of the pipeline templates (their
         state is kept until :meth:`continue_after_growth`)."""
 
-    def continue_after_growth(self, plan: dict[str, Any]) -> int:
+    def continue_after_growth(self, plan: GenerationPlan) -> int:
         """Growing back, at a survivor, once the job's groups exist again and the script's
         objects point at them: agrees on the iteration and moves the state of the templates
         back into the script's objects, sending the standbys theirs. Returns the bytes it
         received."""
 
-    def join_after_growth(self, plan: dict[str, Any]) -> Continuation:
+    def join_after_growth(self, plan: GenerationPlan) -> Continuation:
         """Growing back, at a standby that takes a lost rank: its part of the same agreement
         and transfers."""
 
@@ -124,7 +126,7 @@ class FrameworkAdapter(Protocol):
     def after_step(self, iteration: int) -> None:
         """Runs at the end of every completed step, before a planned switch."""
 
-    def continue_after_crash(self, plan: dict[str, Any],
+    def continue_after_crash(self, plan: GenerationPlan,
                              snapshot: dict[str, Any]) -> Continuation:
         """A survivor's part once its groups are switched: agrees with the others (a
         collective of the new generation) and brings this rank to the iteration they continue

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from mover_plugin.errors import LaunchError
 from mover_plugin.mailbox import Mailbox, connect_to_controller
 from mover_plugin.contract import (
+    GenerationPlan,
     ATTEMPT_ENV,
     CONTROL_ADDR_ENV,
     CONTROL_PORT_ENV,
@@ -106,9 +107,9 @@ class ControlClient:
         fields.setdefault("generation", self.generation)
         self._events.post({"kind": kind, "attempt": self.attempt, **fields})
 
-    def wait_for_plan(self, generation: int) -> dict[str, Any]:
+    def wait_for_plan(self, generation: int) -> GenerationPlan:
         """Blocks until the controller has planned ``generation``; returns the plan."""
-        return json.loads(self._wait_and_get(plan_key(generation)))
+        return GenerationPlan.from_record(json.loads(self._wait_and_get(plan_key(generation))))
 
     def wait_for_standbys(self, timeout_s: float) -> bool:
         """Blocks until every standby of this attempt is ready, at most ``timeout_s``;

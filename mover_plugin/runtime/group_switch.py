@@ -28,6 +28,7 @@ from mover_plugin.comm.delta import (
     prepare_delta,
 )
 from mover_plugin.comm.world import WorldOptions
+from mover_plugin.contract import GenerationPlan
 from mover_plugin.runtime.adapter import FrameworkAdapter
 from mover_plugin.runtime.control import ControlClient
 from mover_plugin.runtime.rewire import rewire, rewire_module_globals
@@ -66,17 +67,17 @@ class GroupSwitcher:
             dist.destroy_process_group()
 
     def rebuild_after_crash(self, generation: int, world_size: int,
-                            plan: dict[str, Any]) -> int:
+                            plan: GenerationPlan) -> int:
         """Rebuilds generation ``generation``'s groups that contain a replaced rank or that
         some member left in the middle of an operation, and keeps the others — or rebuilds them
         all when the plan says so (it follows a switch that did not complete, whose groups some
         ranks may have and others not). Returns how many cached references to the old groups
         were rewritten."""
         store = self._control.generation_store(generation)
-        if plan.get("rebuild_all"):
+        if plan.rebuild_all:
             lost, unsettled = set(range(world_size)), []
         else:
-            lost = {item["rank"] for item in plan["replacements"]}
+            lost = set(plan.replaced_ranks)
             candidates = {name: entry for name, entry in member_groups().items()
                           if not entry[1].is_default and not lost & set(entry[1].global_ranks)}
             unsettled = agree_on_idle_groups(store, candidates, timeout=self._timeout())

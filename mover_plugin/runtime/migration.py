@@ -72,8 +72,8 @@ class MigrationParticipant:
         (in a thread of its own). A leaving rank builds nothing."""
         runtime = self._runtime
         plan = runtime.control.wait_for_plan(generation)
-        runtime.faults.arm(plan.get("fault"))
-        leaving = {item["rank"] for item in plan["replacements"]}
+        runtime.faults.arm(plan.fault)
+        leaving = plan.replaced_ranks
         if runtime.rank in leaving:
             return None
         delta = prepare_delta(runtime.control.generation_store(generation), leaving,
@@ -99,7 +99,7 @@ class MigrationParticipant:
         runtime.control.post("boundary", rank=runtime.rank, iteration=runtime.ledger.applied,
                              time=started, step_s=step_s, migration=generation)
         plan = runtime.control.wait_for_plan(generation)
-        leaving = any(item["rank"] == runtime.rank for item in plan["replacements"])
+        leaving = runtime.rank in plan.replaced_ranks
         hand_over = self._start_hand_over(generation) if leaving else None
         if not runtime.control.wait_for_switch(generation):
             # A hand-over still running is left to end on its own: its joiner is stopped.

@@ -55,7 +55,8 @@ import torch.distributed as dist
 from mover_plugin.comm import CollectiveAborted, clear_alarm, raise_alarm, register_backend
 from mover_plugin.comm.cancel import cancel_when, raise_if_cancelled
 from mover_plugin.comm.work import waited_s
-from mover_plugin.contract import GROW_PLAN, MIGRATION_PLAN, SHRINK_PLAN
+from mover_plugin.contract import GenerationPlan, PlanKind
+from mover_plugin.generations import Replacement
 from mover_plugin.errors import LaunchError
 from mover_plugin.layout import ParallelLayout
 from mover_plugin.progress import ProgressReporter
@@ -73,9 +74,9 @@ from mover_plugin.runtime.exits import (
     is_lost_peer,
 )
 from mover_plugin.runtime.faults import FaultInjector
+from mover_plugin.runtime.group_switch import GroupSwitcher
 from mover_plugin.runtime.heartbeat import Heartbeat
 from mover_plugin.runtime.ledger import StepLedger
-from mover_plugin.runtime.group_switch import GroupSwitcher
 from mover_plugin.runtime.migration import MigrationParticipant
 from mover_plugin.runtime.notices import NoticeWatcher
 from mover_plugin.runtime.settings import ResilienceSettings
@@ -109,12 +110,11 @@ class ResilienceRuntime:
         self.groups = GroupSwitcher(control, adapter, self.timeout)
         self.transfer = StateTransfer(control, adapter, self.ledger, self.timeout)
         self.migration = MigrationParticipant(self)
-        self.joiner_of: Optional[dict[str, Any]] = None
-        """For a promoted standby: its replacement record (rank, twin)."""
-        self._joining_migration = False
-        """For a promoted standby: whether it replaces a leaving rank (else a lost one)."""
-        self._joining_growth: Optional[dict[str, Any]] = None
-        """For a standby promoted to grow a shrunk job back: the generation's plan."""
+        self.joiner_of: Optional[Replacement] = None
+        """For a promoted standby: its replacement (rank, twin)."""
+        self._joined: Optional[GenerationPlan] = None
+        """For a promoted standby: the plan of the generation it was promoted into (its kind
+        says whether it replaces a lost rank, a leaving one, or grows a shrunk job back)."""
         self._grow_due = False
         """The survivors on pipeline templates agreed, in the iteration that just ran, to grow
         back (:meth:`grow_back_at_next_step`): at the start of the next :meth:`run_step`."""
@@ -177,10 +177,12 @@ class ResilienceRuntime:
         self.rank, self.generation = promotion["rank"], promotion["generation"]
         self.control.generation = self.progress.generation = self.generation
         plan = self.control.wait_for_plan(self.generation)
-        self.joiner_of = next(r for r in plan["replacements"] if r["rank"] == self.rank)
-        self._joining_migration = plan.get("kind") == MIGRATION_PLAN
-        self._joining_growth = plan if plan.get("kind") == GROW_PLAN else None
-        self.faults.arm(plan.get("fault"))
+        self.joiner_of = plan.replacement_of(self.rank)
+        if self.joiner_of is None:
+            raise LaunchError(f"standby {self.control.standby_id} was promoted to rank "
+                              f"{self.rank}, which generation {self.generation} does not replace")
+        self._joined = plan
+        self.faults.arm(plan.fault)
         os.environ["RANK"] = str(self.rank)
         logger.warning("standby %s promoted to rank %d in generation %d",
                        self.control.standby_id, self.rank, self.generation)
@@ -239,14 +241,16 @@ class ResilienceRuntime:
         """In a migration the state and iteration come from the leaver; after a crash the
         ranks agree on the iteration first, with the joiner. A crash's switch superseded by
         the next generation (another rank lost meanwhile) is joined again in that one."""
-        if self._joining_migration:
+        joined = self._joined.kind if self._joined is not None else PlanKind.CRASH
+        if joined is PlanKind.MIGRATION:
             self._receive_or_exit(Transfer.HANDOVER)
             return self.ledger.applied
-        if self._joining_growth is not None:
-            continuation = self._templates().join_after_growth(self._joining_growth)
+        if joined is PlanKind.GROW:
+            assert self._joined is not None
+            continuation = self._templates().join_after_growth(self._joined)
             self._received_bytes = continuation.received_bytes
             return continuation.iteration
-        plan: Optional[dict[str, Any]] = None
+        plan: Optional[GenerationPlan] = None
         while True:
             try:
                 with cancel_when(self._superseded):
@@ -255,7 +259,7 @@ class ResilienceRuntime:
                 self._switch_again_or_raise("joining", error)
             plan = self._follow_as_joiner()
 
-    def _join_in(self, plan: Optional[dict[str, Any]]) -> int:
+    def _join_in(self, plan: Optional[GenerationPlan]) -> int:
         """A joiner's part of a crash's switch: (rejoining, with the new generation's
         ``plan``) its groups rebuilt, then the iteration agreed and its state received."""
         if plan is not None:
@@ -267,29 +271,22 @@ class ResilienceRuntime:
             self.transfer.receive(self.generation, self.rank, Transfer.COPY_RECEIVED)
         return continuation.iteration
 
-    def _follow_as_joiner(self) -> dict[str, Any]:
+    def _follow_as_joiner(self) -> GenerationPlan:
         """After the switch this joiner took part in was superseded: moves to the next
         generation and returns its plan, which gives this process its rank again (otherwise
         the controller gave up the switch, and the process exits)."""
         self.advance_generation()
         plan = self.control.wait_for_plan(self.generation)
-        record = self._replacement_in(plan)
-        if record is None:
+        replacement = plan.replacement_of(self.rank, self.control.standby_id)
+        if replacement is None:
             logger.error("rank %d: generation %d does not keep this process in its place; "
                          "exiting", self.rank, self.generation)
             self.finish()
             exit_now(status=1)
-        self.joiner_of = record
+        self.joiner_of = replacement
         self.progress.generation = self.generation
         clear_alarm()  # the superseded generation's alarm; its groups are gone or replaced
         return plan
-
-    def _replacement_in(self, plan: dict[str, Any]) -> Optional[dict[str, Any]]:
-        """This process's record among ``plan``'s replacements (a promoted standby carried
-        over from a switch still under way), or None."""
-        standby = self.control.standby_id
-        return next((item for item in plan["replacements"]
-                     if item["rank"] == self.rank and item["standby"] == standby), None)
 
     def _superseded(self) -> Optional[str]:
         """The cancel check of a switch (:mod:`mover_plugin.comm.cancel`): why the generation
@@ -494,9 +491,9 @@ class ResilienceRuntime:
             self.progress.generation = self.generation
             try:
                 with cancel_when(self._superseded):
-                    if plan.get("kind") == SHRINK_PLAN:
+                    if plan.kind is PlanKind.SHRINK:
                         continuation, replaced = self._shrink_in(plan, snapshot), 0
-                    elif self._replacement_in(plan) is not None:
+                    elif plan.replacement_of(self.rank, self.control.standby_id) is not None:
                         return self._rejoin(plan, started)
                     else:
                         continuation, replaced = self._survive_in(plan, snapshot)
@@ -508,7 +505,7 @@ class ResilienceRuntime:
                           received_bytes=continuation.received_bytes)
         return continuation
 
-    def _survive_in(self, plan: dict[str, Any],
+    def _survive_in(self, plan: GenerationPlan,
                     snapshot: dict[str, Any]) -> tuple[Continuation, int]:
         """A survivor's part of a switch: its groups rebuilt where ``plan`` needs, the
         iteration agreed, each of its joiners sent its state. Returns where all ranks continue
@@ -520,15 +517,15 @@ class ResilienceRuntime:
                 self.transfer.send(self.generation, lost, continuation.iteration)
         return continuation, replaced
 
-    def _shrink_in(self, plan: dict[str, Any], snapshot: dict[str, Any]) -> Continuation:
+    def _shrink_in(self, plan: GenerationPlan, snapshot: dict[str, Any]) -> Continuation:
         """A survivor's part of a shrink (no standby was ready for the lost ranks): every group
         of the old world is shut down (never waiting on the lost peer), the survivors make a
         world of their own, numbered in the order of their job ranks (this process keeps its
         job rank towards the controller), and the adapter moves the training onto the plan's
         pipeline templates."""
         self.groups.leave_job_layout()
-        self.world_size = plan["world_size"]
-        self.groups.init_survivors_world(self.generation, plan["survivors"].index(self.rank),
+        self.world_size = plan.world_size
+        self.groups.init_survivors_world(self.generation, plan.survivors.index(self.rank),
                                          self.world_size)
         return self._templates().continue_on_templates(plan, snapshot)
 
@@ -545,7 +542,7 @@ class ResilienceRuntime:
         plan = self.control.wait_for_plan(self.generation)
         self.progress.generation = self.generation
         self._templates().leave_templates()
-        self.world_size = plan["world_size"]
+        self.world_size = plan.world_size
         count = self.groups.regrow_job_layout(self.generation, self.rank, self.world_size)
         received = self._templates().continue_after_growth(plan)
         self.adapter.after_switch()
@@ -564,7 +561,7 @@ class ResilienceRuntime:
                               "train on pipeline templates")
         return templates
 
-    def _rejoin(self, plan: dict[str, Any], started: float) -> Continuation:
+    def _rejoin(self, plan: GenerationPlan, started: float) -> Continuation:
         """A promoted standby that was still a joiner when the controller planned ``plan``
         (it may not have its state yet) joins again: its state comes from a twin once more."""
         iteration = self._join_in(plan)

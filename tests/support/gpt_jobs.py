@@ -46,7 +46,9 @@ def read_events(path: Path) -> list[dict]:
 
 
 TAG_ENV = "MOVER_TEST_TAG"
-"""Set by a test in a job's environment; every process of that job inherits it."""
+"""Set by a test in a job's environment; every process of that job inherits it. A test tags
+with its ``str(tmp_path)``, unique across test sessions running at once (a test's own name is
+not: two sessions would find, and kill, each other's processes)."""
 
 
 def tagged_processes(tag: str) -> dict[int, dict[str, str]]:

@@ -13,11 +13,14 @@ from mover_plugin.contract import (
     COMMANDS,
     EVENTS,
     NOTICE_KINDS,
+    GenerationPlan,
+    PlanKind,
     command_problem,
     encode_notice,
     event_problem,
     make_command,
 )
+from mover_plugin.generations import Replacement
 
 
 def agent_event(kind: str, **fields):
@@ -177,3 +180,48 @@ def test_every_command_the_controller_sends_is_in_the_contract_with_its_fields()
     assert not wrong, f"sent with other fields than the contract's: {wrong}"
     never_sent = set(COMMANDS) - {op for _, op, _ in sites}
     assert not never_sent, f"in the contract but sent nowhere: {sorted(never_sent)}"
+
+
+# --- a generation's plan ------------------------------------------------------------------------
+
+_PLANS = [
+    GenerationPlan(PlanKind.CRASH, 4, replacements=(Replacement(1, "a0.n1.s0", 0, 1),),
+                   rebuild_all=True, generation=3),
+    GenerationPlan(PlanKind.MIGRATION, 4, replacements=(Replacement(2, "a0.n0.s0", 2, 0),),
+                   fault="prepare:crash", generation=1),
+    GenerationPlan(PlanKind.SHRINK, 3, survivors=(0, 2, 3), lost=(1,),
+                   placement={"pipelines": [[0, 1]]}, moves=(("layer 2", 1, 0),),
+                   describe="[0 1] layers 0-3 x 2", generation=2),
+]
+
+
+@pytest.mark.parametrize("plan", _PLANS, ids=lambda plan: plan.kind.value)
+def test_a_generation_plan_survives_json(plan: GenerationPlan) -> None:
+    assert GenerationPlan.from_record(json.loads(json.dumps(plan.to_record()))) == plan
+
+
+def test_a_plan_names_its_replacements_by_rank_and_standby() -> None:
+    plan = GenerationPlan(PlanKind.CRASH, 4, replacements=(
+        Replacement(1, "a0.n1.s0", 0, 1), Replacement(3, "a0.n1.s1", 2, 1)))
+    assert plan.replaced_ranks == {1, 3}
+    assert plan.replacement_of(3) == Replacement(3, "a0.n1.s1", 2, 1)
+    assert plan.replacement_of(3, "a0.n1.s1") is not None
+    assert plan.replacement_of(3, "a0.n1.s0") is None and plan.replacement_of(0) is None
+
+
+@pytest.mark.parametrize("change, problem", [
+    ({"kind": "resize"}, "a generation plan of unknown kind 'resize'; kinds: crash, migration, "
+                         "shrink, grow"),
+    ({"world_size": "4"}, "a generation plan: field 'world_size' is str, expected int"),
+    ({"replacements": None}, "a generation plan: field 'replacements' is NoneType, expected "
+                             "list or tuple"),
+])
+def test_a_malformed_plan_is_named_with_what_is_wrong(change: dict, problem: str) -> None:
+    record = {**_PLANS[0].to_record(), **change}
+    with pytest.raises(ValueError) as raised:
+        GenerationPlan.from_record(record)
+    assert str(raised.value) == problem
+    without = _PLANS[0].to_record()
+    del without["generation"]
+    with pytest.raises(ValueError, match="a generation plan without its field 'generation'"):
+        GenerationPlan.from_record(without)

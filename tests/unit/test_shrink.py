@@ -1,10 +1,12 @@
 """The shrink decision (mover_plugin.shrink): the survivors' plan, without processes."""
 
 import itertools
+import json
 from dataclasses import replace
 
 import pytest
 
+from mover_plugin.contract import GenerationPlan
 from mover_plugin.generations import Fallback
 from mover_plugin.layout import ParallelLayout
 from mover_plugin.placement import Placement
@@ -98,9 +100,10 @@ def test_every_loss_of_one_or_two_ranks_of_pp2_dp4_has_a_plan():
 def test_records_round_trip():
     plan = plan_shrink([1], PP2_DP2, SPEC)
     assert isinstance(plan, ShrinkPlan)
-    record = plan.to_record([1])
+    record = plan.generation_plan([1]).to_record()
     assert Placement.of_record(record["placement"]) == plan.placement
     assert record["describe"] == plan.placement.describe()
+    assert GenerationPlan.from_record(json.loads(json.dumps(record))) == plan.generation_plan([1])
     renamed = plan.placement.renumbered({0: 4, 1: 5, 2: 7})
     assert renamed.ranks == (4, 5, 7)
     assert renamed.describe() == plan.placement.describe().replace("[0 1]", "[4 5]").replace(

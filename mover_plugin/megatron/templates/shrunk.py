@@ -45,6 +45,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from mover_plugin.contract import GenerationPlan
 from mover_plugin.layout import ParallelLayout
 from mover_plugin.megatron.checkpoint import capture_rng_state, restore_rng_state
 from mover_plugin.megatron.templates.profile import host_memory_bytes, measure_training_stage
@@ -126,23 +127,24 @@ def job_first_layer(args: argparse.Namespace, job_rank: int) -> int:
 class ShrunkTraining:
     """One survivor's training on the plan of a shrink (built in the survivors' world)."""
 
-    def __init__(self, plan: dict[str, Any], rank: int, recipe: StageRecipe,
+    def __init__(self, plan: GenerationPlan, rank: int, recipe: StageRecipe,
                  held: StageState, schedule: dict[str, Any]) -> None:
         """``rank``: this process's rank in the survivors' world; ``held``: the state of the
         stage it trained in the job; ``schedule``: the job's scheduler state."""
-        self.placement = Placement.of_record(plan["placement"])
+        assert plan.placement is not None, "a shrink's plan has its placement"
+        self.placement = Placement.of_record(plan.placement)
         self.rank = rank
         rng = capture_rng_state()  # building draws initial weights; the iteration must not
         self.trainer = StageTrainer(self.placement, rank, recipe,
                                     PlacementGroups(self.placement, rank))
         restore_rng_state(rng)
         moves = [Transfer(unit, source, destination)
-                 for unit, source, destination in plan["moves"]]
+                 for unit, source, destination in plan.moves]
         self.received_bytes = relayout(moves, rank, held, self.trainer.state)
         self.trainer.take_scheduler_state(schedule)
         logger.warning("rank %d of the survivors trains layers %d-%d of pipeline %s on %s",
                        rank, self.trainer.role.layers[0], self.trainer.role.layers[1] - 1,
-                       list(self.trainer.role.pipeline_ranks), plan["describe"])
+                       list(self.trainer.role.pipeline_ranks), plan.describe)
 
     def step(self, iteration: int, vote: bool = False,
              repeat: Optional[Callable[[Callable[[], list]], list]] = None
@@ -175,7 +177,7 @@ class ShrunkTraining:
         return path
 
 
-def move_back(plan: dict[str, Any], rank: int, held: Optional[StageState], job: StageState,
+def move_back(plan: GenerationPlan, rank: int, held: Optional[StageState], job: StageState,
               carried: Optional[dict[str, Any]]) -> tuple[dict[str, Any], int]:
     """Growing back (every rank of the job's world calls it): each unit of the job's layout
     that ``rank`` lacks comes from the survivor the plan names, into the script's own model and
@@ -185,9 +187,9 @@ def move_back(plan: dict[str, Any], rank: int, held: Optional[StageState], job: 
     transfers go over a group of all ranks: two ranks of the job's layout need not share any
     other group."""
     everyone = dist.new_group(list(range(dist.get_world_size())))
-    moves = [Transfer(unit, source, destination) for unit, source, destination in plan["moves"]]
+    moves = [Transfer(unit, source, destination) for unit, source, destination in plan.moves]
     received = relayout(moves, rank, held, job, group=everyone)
     carried = [carried]
-    dist.broadcast_object_list(carried, src=plan["survivors"][0], group=everyone)
+    dist.broadcast_object_list(carried, src=plan.survivors[0], group=everyone)
     dist.destroy_process_group(everyone)
     return carried[0], received

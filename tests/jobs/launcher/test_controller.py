@@ -180,8 +180,10 @@ def test_a_crash_with_a_ready_standby_switches_generation(job):
     job.exit(1)
     assert job.poll() is None
     plan = job.json(plan_key(1))
-    assert plan == {"generation": 1, "world_size": 4, "rebuild_all": False, "replacements": [
-        {"rank": 1, "standby": "a0.n1.s0", "twin": 0, "node": 1}]}
+    assert plan == {"generation": 1, "kind": "crash", "world_size": 4, "rebuild_all": False,
+                    "replacements": [{"rank": 1, "standby": "a0.n1.s0", "twin": 0, "node": 1}],
+                    "fault": None, "survivors": [], "lost": [], "placement": None, "moves": [],
+                    "describe": ""}
     assert job.key(successor_key(0)) == "1" and job.key(CURRENT_GENERATION_KEY) == "1"
     assert job.json(promotion_key("a0.n1.s0")) == {"rank": 1, "generation": 1,
                                                     "migration": False}

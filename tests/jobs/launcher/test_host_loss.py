@@ -53,7 +53,7 @@ class ThreeHosts:
 
     def __init__(self, tmp_path: Path, processes: list[subprocess.Popen],
                  commands: dict[int, list[str]], port: int) -> None:
-        self.tag = tmp_path.name
+        self.tag = str(tmp_path)
         self.port = port
         """The controller's store port on host 0."""
         self.events_path = tmp_path / "events.jsonl"
@@ -102,7 +102,7 @@ def three_hosts(tmp_path: Path, addresses: list[str],
     commands = {node: on_host(node, [*common, "--node-rank", str(node), *own.get(node, []),
                                      *script]) for node in (1, 2, 0)}
     with ExitStack() as stack:
-        processes = {node: stack.enter_context(background_job(command, tmp_path.name, JOB_ENV))
+        processes = {node: stack.enter_context(background_job(command, str(tmp_path), JOB_ENV))
                      for node, command in commands.items()}
         job = ThreeHosts(tmp_path, [processes[0], processes[1], processes[2]], commands,
                          port)

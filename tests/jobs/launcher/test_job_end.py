@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -95,7 +96,7 @@ def test_a_job_ends_with_a_refill_and_a_joining_host_started_at_its_last_step(tm
            "--await", "a0.n0.r0", "--await", "a0.n1.j0", "--hang-at-exit", "1"]
     joining = [*LAUNCH, "--join", f"127.0.0.1:{port}", "--nproc-per-node", "1",
                "--host", "127.0.0.2"]
-    tag = tmp_path.name
+    tag = str(tmp_path)  # unique across concurrent test sessions
     with ExitStack() as stack:
         first = stack.enter_context(background_job(job, tag, JOB_ENV))
         _wait_for(markers / "a0.n0.s1.started", first)  # the controller is up
@@ -118,7 +119,8 @@ def test_a_job_ends_with_a_refill_and_a_joining_host_started_at_its_last_step(tm
     assert [e["standbys"] for e in log if e["event"] == "host_joined"] == [["a0.n1.j0"]]
     assert "stopped standby(s) a0.n0.s1, a0.n0.r0" in output
     assert "stopped standby(s) a0.n1.j0" in joined_output
-    assert "rank(s) [1] ended their script" in output
+    # rank 1's teardown hangs; rank 0's may outlast the timeout too on a busy machine
+    assert re.search(r"rank\(s\) \[(0, )?1\] ended their script", output), output[-4000:]
     assert not tagged_processes(tag)
     # Each standby's slot (its GPU on a host with GPUs): after the workers' 0 and 1 on the
     # first host; the refill takes the slot a0.n0.s0 freed; the joining host's from 0.

@@ -130,7 +130,7 @@ def test_a_lost_controller_stops_every_process_and_a_new_launch_resumes(tmp_path
                "--train-iters", "40", "--resilient", "--save", str(ckpt), "--load", str(ckpt),
                "--save-interval", "1"]
     tracker = ckpt / "latest_checkpointed_iteration.txt"
-    tag = tmp_path.name
+    tag = str(tmp_path)  # unique across concurrent test sessions
     with background_job(command, tag, slurm_env("127.0.0.[1-2]", 1, job_id)) as node1, \
             background_job(command, tag, slurm_env("127.0.0.[1-2]", 0, job_id)) as node0:
         deadline = time.monotonic() + 240

@@ -140,10 +140,10 @@ def test_a_second_rank_lost_during_the_switch_is_survived_exactly(tmp_path, refe
                "--standbys", "2", "--refill-delay-s", "3600", "--event-log", str(events_path),
                "--summary", str(summary_path), "--inject-failure", "3:10", EXAMPLE, *MODEL,
                "--pipeline-model-parallel-size", "2", "--train-iters", "40", "--resilient"]
-    with background_job(command, tag=tmp_path.name) as process:
+    with background_job(command, tag=str(tmp_path)) as process:
         wait_for_events(events_path, lambda es: sum(e["event"] == "worker_ready"
                                                     for e in es) == 4, process)
-        second = worker_pid(0, tmp_path.name)
+        second = worker_pid(0, str(tmp_path))
         wait_for_events(events_path, lambda es: any(e["event"] == "promote" for e in es),
                         process, poll_s=0.005)  # the switch takes a few hundred ms
         os.kill(second, signal.SIGKILL)
@@ -228,10 +228,10 @@ def test_a_standby_dying_while_idle_is_replaced_and_training_goes_on(tmp_path, r
     command = [*LAUNCH, "--standalone", "--nproc-per-node", "4", "--policy", "resilient",
                "--standbys", "1", "--refill-delay-s", "0", "--event-log", str(events_path),
                EXAMPLE, *MODEL, *PP2]
-    with background_job(command, tag=tmp_path.name) as process:
+    with background_job(command, tag=str(tmp_path)) as process:
         wait_for_events(events_path, lambda es: any(e["event"] == "standby_ready" for e in es),
                   process)
-        os.kill(worker_pid(0, tmp_path.name, standby="a0.n0.s0"), signal.SIGKILL)
+        os.kill(worker_pid(0, str(tmp_path), standby="a0.n0.s0"), signal.SIGKILL)
         output, _ = process.communicate(timeout=240)
     assert process.returncode == 0, output[-4000:]
     assert f"PARAMS_DIGEST {digest(reference_pp2)}" in output
@@ -344,12 +344,12 @@ def test_one_standby_per_host_survives_three_failures_in_a_row_on_a_refilling_po
                "--event-log", str(events_path), "--stop-grace-s", "2", EXAMPLE, *MODEL,
                "--pipeline-model-parallel-size", "2", "--train-iters", str(REFILL_STEPS),
                "--resilient"]
-    with background_job(command, tag=tmp_path.name) as process:
+    with background_job(command, tag=str(tmp_path)) as process:
         # training, with its standby ready
         events = wait_for_events(events_path, lambda es: any(e["event"] == "steps" for e in es)
                            and any(e["event"] == "standby_ready" for e in es), process)
         for number, rank in enumerate((3, 1, 3)):
-            os.kill(_holder_pid(events, rank, tmp_path.name), signal.SIGKILL)
+            os.kill(_holder_pid(events, rank, str(tmp_path)), signal.SIGKILL)
             # recovered in place, and (but after the last) the refill it started is ready
             refills_ready = min(number + 1, 2)
             events = wait_for_events(events_path, lambda es: sum(
