@@ -27,11 +27,11 @@ from typing import Any, Mapping, Optional
 from mover_plugin.contract import (
     SWITCH_CANCEL,
     SWITCH_GO,
+    GenerationPlan,
+    PlanKind,
     request_done_key,
     successor_key,
     switch_decision_key,
-    GenerationPlan,
-    PlanKind,
 )
 from mover_plugin.generations import Membership, Replacement
 from mover_plugin.launch.context import Context, Event, EventHandler, Unit

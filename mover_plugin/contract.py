@@ -200,10 +200,9 @@ class GenerationPlan:
         """The ranks standbys take."""
         return frozenset(item.rank for item in self.replacements)
 
-    def replacement_of(self, rank: int, standby: Optional[str] = None) -> Optional[Replacement]:
-        """The replacement that gives ``rank`` (to ``standby``, when named), or None."""
-        return next((item for item in self.replacements if item.rank == rank
-                     and standby in (None, item.standby)), None)
+    def replacement_of(self, rank: int) -> Optional[Replacement]:
+        """The replacement that gives ``rank`` to a standby, or None."""
+        return next((item for item in self.replacements if item.rank == rank), None)
 
     def to_record(self) -> dict[str, Any]:
         """The plan as JSON-ready data (what ``gen{g}/plan`` holds)."""

@@ -56,8 +56,8 @@ from mover_plugin.comm import CollectiveAborted, clear_alarm, raise_alarm, regis
 from mover_plugin.comm.cancel import cancel_when, raise_if_cancelled
 from mover_plugin.comm.work import waited_s
 from mover_plugin.contract import GenerationPlan, PlanKind
-from mover_plugin.generations import Replacement
 from mover_plugin.errors import LaunchError
+from mover_plugin.generations import Replacement
 from mover_plugin.layout import ParallelLayout
 from mover_plugin.progress import ProgressReporter
 from mover_plugin.runtime.adapter import (
@@ -277,7 +277,7 @@ class ResilienceRuntime:
         the controller gave up the switch, and the process exits)."""
         self.advance_generation()
         plan = self.control.wait_for_plan(self.generation)
-        replacement = plan.replacement_of(self.rank, self.control.standby_id)
+        replacement = self._replacement_in(plan)
         if replacement is None:
             logger.error("rank %d: generation %d does not keep this process in its place; "
                          "exiting", self.rank, self.generation)
@@ -287,6 +287,14 @@ class ResilienceRuntime:
         self.progress.generation = self.generation
         clear_alarm()  # the superseded generation's alarm; its groups are gone or replaced
         return plan
+
+    def _replacement_in(self, plan: GenerationPlan) -> Optional[Replacement]:
+        """This process's replacement in ``plan`` (a promoted standby carried over from a
+        switch still under way), or None."""
+        replacement = plan.replacement_of(self.rank)
+        if replacement is None or replacement.standby != self.control.standby_id:
+            return None
+        return replacement
 
     def _superseded(self) -> Optional[str]:
         """The cancel check of a switch (:mod:`mover_plugin.comm.cancel`): why the generation
@@ -493,7 +501,7 @@ class ResilienceRuntime:
                 with cancel_when(self._superseded):
                     if plan.kind is PlanKind.SHRINK:
                         continuation, replaced = self._shrink_in(plan, snapshot), 0
-                    elif plan.replacement_of(self.rank, self.control.standby_id) is not None:
+                    elif self._replacement_in(plan) is not None:
                         return self._rejoin(plan, started)
                     else:
                         continuation, replaced = self._survive_in(plan, snapshot)
