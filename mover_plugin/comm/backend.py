@@ -8,11 +8,12 @@ world_size=..., timeout=...)`` makes the default group a
 and gets one too.
 
 How c10d uses the creator (torch 2.13 and 2.14, ``_new_process_group_helper``): for a
-registered plugin it calls the creator once per device type of the backend's capability, with the group's prefix
-store; a creator that returns a ``ProcessGroup`` subclass (rather than a ``Backend``) ends that
-loop and its return value *becomes* the group, which c10d names and registers in its world
-maps. With ``extended_api=True`` the creator receives ``_DistributedBackendOptions`` (store,
-group rank and size, timeout, group name, global ranks) and the backend options.
+registered plugin it calls the creator once per device type of the backend's capability, with
+the group's prefix store; a creator that returns a ``ProcessGroup`` subclass (rather than a
+``Backend``) ends that loop and its return value *becomes* the group, which c10d names and
+registers in its world maps. With ``extended_api=True`` the creator receives
+``_DistributedBackendOptions`` (store, group rank and size, timeout, group name, global ranks)
+and the backend options.
 
 Nothing is registered at import time: callers opt in. Registration takes the
 ``registration_lock`` of the process's :class:`~mover_plugin.comm.context.CommContext`.

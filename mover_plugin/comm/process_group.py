@@ -156,8 +156,8 @@ class MoverProcessGroup(NamedProcessGroup):
 
         The group's own methods still carry every operation. What registration adds is for
         torch functions that look a backend up by device (``batch_isend_irecv``'s coalescing
-        check, ``init_process_group``'s ``device_id``, ``_set_pg_timeout``, Megatron-Core's NCCL
-        user buffers): they find the backend c10d would have given them, instead of failing
+        check, ``init_process_group``'s ``device_id``, the group's uid in c10d's logs,
+        Megatron-Core's NCCL user buffers): they find the backend c10d would have given them, instead of failing
         with "No backend type associated with device type". The registration holds a
         reference: a backend lives as long as the group object, after :meth:`shutdown` too
         (shut down, or retired while an abandoned operation runs). A group without connections
