@@ -80,3 +80,23 @@ def _gloo_devices() -> list[Any]:
         return [dist.ProcessGroupGloo.create_device(interface=name, lazy_init=True)
                 for name in names]
     return [dist.ProcessGroupGloo.create_default_device(lazy_init=True)]
+
+
+def register_per_device(group: Any, gloo: Any, nccl: Any) -> None:
+    """Registers ``group``'s backends per device type, as c10d registers its own groups':
+    ``_get_backend(cpu)`` is the gloo backend, ``_get_backend(cuda)`` the NCCL one.
+
+    The group's own methods still carry every operation. What registration adds is for torch
+    functions that look a backend up by device (``batch_isend_irecv``'s coalescing check,
+    ``init_process_group``'s ``device_id``, the group's uid in c10d's logs, Megatron-Core's
+    NCCL user buffers): they find the backend c10d would have given them, instead of failing
+    with "No backend type associated with device type". The registration holds a reference: a
+    backend lives as long as the group object, after its shutdown too. A group without
+    connections registers none."""
+    backend_type = dist.ProcessGroup.BackendType
+    if gloo is not None:
+        group._register_backend(torch.device("cpu"), backend_type.GLOO, gloo)
+        group._set_default_backend(backend_type.GLOO)
+    if nccl is not None:
+        group._register_backend(torch.device("cuda"), backend_type.NCCL, nccl)
+        group._set_default_backend(backend_type.NCCL)

@@ -48,7 +48,12 @@ from torch.distributed.distributed_c10d import (
 )
 
 from mover_plugin.comm import alarm, live, retired
-from mover_plugin.comm.connections import is_nccl_options, make_gloo, make_nccl
+from mover_plugin.comm.connections import (
+    is_nccl_options,
+    make_gloo,
+    make_nccl,
+    register_per_device,
+)
 from mover_plugin.comm.errors import CollectiveAborted, CommAborted
 from mover_plugin.comm.named import NamedProcessGroup
 from mover_plugin.comm.work import AbortableWork, completed, observe
@@ -144,31 +149,11 @@ class MoverProcessGroup(NamedProcessGroup):
         if use_cuda:
             self._nccl = make_nccl(PrefixStore("nccl/", store), rank, size, timeout,
                                     self._global_ranks, group_name, nccl_options)
-        self._present_backends()
+        register_per_device(self, self._gloo, self._nccl)  # as c10d registers its own
         live.add(self)
         logger.debug("group %s: rank %d of %d (global ranks %s), epoch %d, nccl=%s, "
                      "gloo shared by %d", self._label, rank, size, self._global_ranks,
                      self._epoch, self._nccl is not None, self._link.users)
-
-    def _present_backends(self) -> None:
-        """Registers the group's backends per device type, as c10d registers its own groups':
-        ``_get_backend(cpu)`` is the gloo backend, ``_get_backend(cuda)`` the NCCL one.
-
-        The group's own methods still carry every operation. What registration adds is for
-        torch functions that look a backend up by device (``batch_isend_irecv``'s coalescing
-        check, ``init_process_group``'s ``device_id``, the group's uid in c10d's logs,
-        Megatron-Core's NCCL user buffers): they find the backend c10d would have given them, instead of failing
-        with "No backend type associated with device type". The registration holds a
-        reference: a backend lives as long as the group object, after :meth:`shutdown` too
-        (shut down, or retired while an abandoned operation runs). A group without connections
-        registers none."""
-        backend_type = dist.ProcessGroup.BackendType
-        if self._gloo is not None:
-            self._register_backend(torch.device("cpu"), backend_type.GLOO, self._gloo)
-            self._set_default_backend(backend_type.GLOO)
-        if self._nccl is not None:
-            self._register_backend(torch.device("cuda"), backend_type.NCCL, self._nccl)
-            self._set_default_backend(backend_type.NCCL)
 
     # ------------------------------------------------------------------ state
 
