@@ -80,7 +80,7 @@ from mover_plugin.errors import LaunchError
 from mover_plugin.layout import ParallelLayout
 from mover_plugin.progress import ProgressReporter
 from mover_plugin.runtime.adapter import Continuation, Transfer
-from mover_plugin.runtime.peer_copy import PeerCopy, decide_continuation
+from mover_plugin.runtime.peer_copy import PeerCopy, decide_continuation, shard_record
 from mover_plugin.runtime.resilience import ResilienceRuntime
 
 logger = logging.getLogger(__name__)
@@ -288,22 +288,12 @@ class DeepSpeedResilience:
 
     # -- after a crash (FrameworkAdapter) -------------------------------------------------
 
-    def _record(self) -> dict[str, Any]:
-        ledger, copy = self.runtime.ledger, self._peer_copy
-        step = ledger.step
-        # Caught inside the update: past the commit (every rank voted, so the update may have
-        # begun), and not yet counted. A rank still waiting in the commit changed nothing.
-        updating = (step is not None and step.passed_commit
-                    and ledger.applied != step.iteration + 1)
-        return {"applied": ledger.applied, "updating": updating,
-                "held_of": copy.held_of if copy else -1,
-                "held_version": copy.held_version if copy else -1}
-
     def _agree(self, contribute: bool) -> tuple[int, Optional[str], dict[int, int]]:
         if self._peer_copy is not None:
             self._peer_copy.settle()  # an exchange in flight ends, completed or failed
         records: list[Any] = [None] * self.runtime.world_size
-        dist.all_gather_object(records, self._record() if contribute else None)
+        dist.all_gather_object(records, shard_record(self.runtime.ledger, self._peer_copy)
+                               if contribute else None)
         return decide_continuation(records, self.peer_copy, off="peer_copy is off")
 
     def continue_after_crash(self, plan: GenerationPlan,

@@ -48,7 +48,6 @@ worker processes' effect on detection (``--num-workers 0`` keeps it fast).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import os
 import time
@@ -59,10 +58,10 @@ from typing import Any, Callable, Optional
 import torch
 
 from mover_plugin.comm.world import cover_world
-from mover_plugin.contract import GenerationPlan
 from mover_plugin.errors import LaunchError
 from mover_plugin.megatron.checkpoint import restore_rng_state
 from mover_plugin.megatron.distributed_optimizer import ensure_shard_state
+from mover_plugin.megatron.lm_counters import counters, data_flags, load_loop_state
 from mover_plugin.megatron.lm_standby import (
     PretrainCall,
     lm_warm_up,
@@ -70,27 +69,19 @@ from mover_plugin.megatron.lm_standby import (
     without_checkpoint,
 )
 from mover_plugin.megatron.templates.megatron_lm import (
-    StageView,
+    MegatronLMLoop,
     lm_stage_recipe,
     lm_template_refusals,
-    rerun_checks_off,
 )
 from mover_plugin.megatron.resilience import MegatronResilience
 from mover_plugin.megatron.standby import parallel_layout
-from mover_plugin.runtime.adapter import Continuation, Transfer
+from mover_plugin.runtime.adapter import Transfer
 from mover_plugin.runtime.handover import module_state_tensors
 from mover_plugin.runtime.replay import ReplayableIterator
 from mover_plugin.runtime.settings import ResilienceSettings
 
 logger = logging.getLogger(__name__)
 
-COUNTERS = ("consumed_train_samples", "skipped_train_samples", "consumed_valid_samples")
-"""Megatron-LM's data counters in ``args``, handed to a joiner with the iteration."""
-DATA_FLAGS = ("do_train", "do_valid", "do_test")
-"""What Megatron-LM's data set-up decides on the first rank and broadcasts to every rank; a
-joiner builds its data iterators with local collectives, so it gets them from its twin (a
-rank that builds no data loader itself, such as tensor-parallel rank 1, would otherwise skip
-training and exit)."""
 
 
 class MicroBatchReplay:
@@ -159,7 +150,8 @@ class MegatronLMResilience(MegatronResilience):
         with it; None: it stays cold)."""
         # From the flags, not kept in args: Megatron-LM pickles args into its checkpoints,
         # which must load where mover_plugin is not installed.
-        super().__init__(args, ResilienceSettings.from_args(args))
+        super().__init__(args, ResilienceSettings.from_args(args),
+                         MegatronLMLoop(args, self._restart_training_data))
         self._pretrain = pretrain
         self._initialize: Callable[[], Any] = lambda: None
         self._local: Any = None
@@ -261,7 +253,7 @@ class MegatronLMResilience(MegatronResilience):
         is ready (:mod:`mover_plugin.megatron.templates.megatron_lm`); its first rank tells the
         controller so."""
         self._train_dataset = train_dataset
-        if self._recipe is not None:
+        if self.templates.recipe is not None:
             return  # built again after a rollback: the same dataset
         call = self._pretrain
         refused = lm_template_refusals(self.args, call)
@@ -274,23 +266,7 @@ class MegatronLMResilience(MegatronResilience):
             return
         assert call is not None
         self.enable_templates(lm_stage_recipe(self.args, call, train_dataset))
-        self._publish_template_spec()
-
-    def _measuring(self) -> contextlib.AbstractContextManager[Any]:
-        return rerun_checks_off()
-
-    def continue_on_templates(self, plan: GenerationPlan,
-                              snapshot: dict[str, Any]) -> Continuation:
-        # A shrink started again after another loss: the job's layout is read first.
-        StageView.leave(self.args)
-        return super().continue_on_templates(plan, snapshot)
-
-    @property
-    def stage_groups(self) -> Any:
-        """On pipeline templates: this rank's stage's process groups (Megatron-Core's
-        ``ProcessGroupCollection``)."""
-        assert self._shrunk is not None
-        return self._shrunk.trainer.pg_collection
+        self.templates.publish_spec()
 
     def entering_train(self, checkpointing_context: Any) -> None:
         """Megatron-LM's ``train()`` is entered (with its ``checkpointing_context``, whose
@@ -368,49 +344,15 @@ class MegatronLMResilience(MegatronResilience):
         from megatron.core.rerun_state_machine import get_rerun_state_machine
         from megatron.training.global_vars import get_timers
 
-        return StepStart(iteration, {name: getattr(self.args, name) for name in COUNTERS},
+        return StepStart(iteration, counters(self.args),
                          get_rerun_state_machine().current_iteration,
                          frozenset(_started_timers(get_timers())))
 
     # -- pipeline templates ---------------------------------------------------------------
 
-    def _step_on_templates(self, iteration: int, repeat: Any = None) -> tuple[Any, ...]:
-        """An iteration on the templates, as Megatron-LM's ``train_step`` runs and returns it:
-        its forward and backward passes inside Megatron-Core's rerun state machine (which the
-        script's loss function reports to, and which may run them again); then the loss over
-        the global batch (on every rank, so that whichever rank logs prints it), the gradient
-        norm, and the machine's checkpoint and exit requests."""
-        from megatron.core.rerun_state_machine import get_rerun_state_machine
-
-        machine = get_rerun_state_machine()
-        requests = (False, False, 0)
-
-        def as_megatron_lm_runs(forward_backward: Callable[[], list]) -> list:
-            nonlocal requests
-            losses: list = []
-            # The templates read their micro-batches by slot, not from the data iterator.
-            while machine.should_run_forward_backward(None):
-                losses = forward_backward()
-            requests = machine.should_checkpoint_and_exit()
-            return losses
-
-        loss, grad_norm = super()._step_on_templates(iteration, as_megatron_lm_runs)
-        should_checkpoint, should_exit, exit_code = requests
-        return ({"lm loss": torch.tensor(loss, dtype=torch.float32)}, 0, should_checkpoint,
-                should_exit, exit_code, grad_norm, None, 0)
-
-    def leave_templates(self) -> None:
-        super().leave_templates()
-        StageView.leave(self.args)
-
-    def continue_after_growth(self, plan: GenerationPlan) -> int:
-        """Back on the job's layout; a survivor's training data iterator starts again where
-        the job is (it read nothing while on the templates)."""
-        received = super().continue_after_growth(plan)
-        self._restart_training_data()
-        return received
-
     def _restart_training_data(self) -> None:
+        """Back on the job's layout, a survivor's training data iterator starts again where
+        the job is (it read nothing while on the templates)."""
         from megatron.training.training import build_pretraining_data_loader
 
         iterator = self._data_iterator
@@ -420,20 +362,6 @@ class MegatronLMResilience(MegatronResilience):
                                                self.args.consumed_train_samples)
         iterator.iterable = iter(loader)
         self._replay.begin(iterator)
-
-    def growth_state(self) -> dict[str, Any]:
-        args = self.args
-        return {"counters": {name: getattr(args, name) for name in COUNTERS},
-                "data_flags": {name: bool(getattr(args, name, False)) for name in DATA_FLAGS}}
-
-    def load_growth_state(self, state: dict[str, Any], iteration: int) -> None:
-        args = self.args
-        args.iteration = iteration
-        for name, value in {**state["counters"], **state["data_flags"]}.items():
-            setattr(args, name, value)
-
-    def _job_module(self) -> torch.nn.Module:
-        return self._model[0].module
 
     # -- the adapter protocol, where Megatron-LM's loop differs -------------------------
 
@@ -504,10 +432,9 @@ class MegatronLMResilience(MegatronResilience):
 
     def _share_data_flags(self) -> None:
         """A joiner that rolled back gets Megatron-LM's data flags from the running ranks
-        (see :data:`DATA_FLAGS`)."""
+        (see :data:`~mover_plugin.megatron.lm_counters.DATA_FLAGS`)."""
         args = self.args
-        mine = None if self.is_joiner and not self._training else {
-            name: bool(getattr(args, name, False)) for name in DATA_FLAGS}
+        mine = None if self.is_joiner and not self._training else data_flags(args)
         records: list[Any] = [None] * self.runtime.world_size
         torch.distributed.all_gather_object(records, mine)
         if mine is None:
@@ -518,8 +445,7 @@ class MegatronLMResilience(MegatronResilience):
         step = self._step
         assert step is not None, "state is sent from inside an iteration"
         return {**super().state_blob(), "step_start": step.iteration, "counters": step.counters,
-                "data_flags": {name: bool(getattr(self.args, name, False))
-                               for name in DATA_FLAGS}}
+                "data_flags": data_flags(self.args)}
 
     def load_state(self, state: dict[str, Any], transfer: Transfer) -> None:
         super().load_state(state, transfer)
@@ -528,8 +454,7 @@ class MegatronLMResilience(MegatronResilience):
         done = state["iteration"] - state["step_start"]
         args = self.args
         args.iteration = state["iteration"]
-        for name, value in {**state["counters"], **state["data_flags"]}.items():
-            setattr(args, name, value)
+        load_loop_state(args, state)
         args.consumed_train_samples += done * args.global_batch_size
 
 

@@ -59,11 +59,9 @@ the restart baseline, or shrinks when the script enabled templates); every group
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import time
 import types
-from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
@@ -79,13 +77,7 @@ from mover_plugin.megatron.distributed_optimizer import (
     shard_tensors,
     uses_distributed_optimizer,
 )
-from mover_plugin.megatron.templates.shrunk import (
-    ShrunkTraining,
-    job_first_layer,
-    measure_own_stage,
-    move_back,
-    template_spec,
-)
+from mover_plugin.megatron.templates.participant import CoreLoop, MegatronTemplates, TemplateLoop
 from mover_plugin.megatron.standby import (
     StandbyWarmUp,
     TrainingObjects,
@@ -93,11 +85,11 @@ from mover_plugin.megatron.standby import (
     parallel_layout,
     warm_up,
 )
-from mover_plugin.megatron.templates.stage import StageRecipe, StageState, load_schedule
+from mover_plugin.megatron.templates.stage import StageRecipe, load_schedule
 from mover_plugin.progress import ProgressReporter
 from mover_plugin.runtime.adapter import Continuation, Transfer
 from mover_plugin.runtime.handover import module_state_tensors
-from mover_plugin.runtime.peer_copy import PeerCopy, decide_continuation
+from mover_plugin.runtime.peer_copy import PeerCopy, decide_continuation, shard_record
 from mover_plugin.runtime.resilience import ResilienceRuntime
 from mover_plugin.runtime.settings import ResilienceSettings
 
@@ -115,8 +107,12 @@ class MegatronResilience:
     """
 
     def __init__(self, args: argparse.Namespace,
-                 settings: Optional[ResilienceSettings] = None) -> None:
-        """``settings``: the checked resilience settings (by default ``args.resilience``)."""
+                 settings: Optional[ResilienceSettings] = None,
+                 loop: Optional[TemplateLoop] = None) -> None:
+        """``settings``: the checked resilience settings (by default ``args.resilience``);
+        ``loop``: where the training loop differs on pipeline templates (by default a
+        Megatron-Core script's own, :class:`~mover_plugin.megatron.templates.participant.
+        CoreLoop`)."""
         self.args = args
         self._parallel_kwargs: dict[str, Any] = {}
         self._model: Any = None
@@ -133,10 +129,8 @@ class MegatronResilience:
         self._peer_copy: Optional[PeerCopy] = None
         self._load: Callable[[], Optional[int]] = lambda: None
         """Loads the last checkpoint into the model and optimizer (for a rollback)."""
-        self._recipe: Optional[StageRecipe] = None
-        """How the script builds and trains a stage of a pipeline template, when it can."""
-        self._shrunk: Optional[ShrunkTraining] = None
-        """The training of this survivor once the job shrank onto pipeline templates."""
+        self.templates = MegatronTemplates(self, loop or CoreLoop())
+        """The adapter's part in pipeline templates (the runtime's shrink and growth)."""
         self.copy_between_steps = False
         """Whether the peer copy's exchange may run on after a step returns, until
         :meth:`before_step` (for a loop that calls it before each step reports its begin, and
@@ -226,45 +220,30 @@ class MegatronResilience:
 
         optimizer.step_with_ready_grads = gated_update
         self._apply_update = update
-        self._publish_template_spec()
+        self.templates.publish_spec()
 
-    def _publish_template_spec(self) -> None:
-        """The first rank of a job that started with a stage recipe tells the controller
-        whether (and how) the job can shrink onto pipeline templates; without a given profile,
-        the first rank of each pipeline stage measures its layers for the planner."""
-        runtime = self.runtime
-        if self._recipe is None or runtime.joiner_of is not None:
-            return
-        spec = template_spec(self.args, runtime.settings, self._sharded,
-                             quiet=runtime.rank != 0)
-        if spec is None:
-            return
-        if runtime.rank == 0:
-            runtime.control.publish_templates(spec.to_record())
-        if spec.profile is None:
-            with self._measuring():
-                measured = measure_own_stage(self.args, self._model, self._recipe,
-                                             runtime.rank)
-            if measured is not None:
-                runtime.control.publish_stage_profile(*measured)
+    @property
+    def training_objects(self) -> tuple[Any, Any, Any]:
+        """The script's (model, optimizer, scheduler), once :meth:`attach` registered them."""
+        return self._model, self._optimizer, self._scheduler
 
-    def _measuring(self) -> contextlib.AbstractContextManager[Any]:
-        """What surrounds the measurement of this rank's stage before the first step (a
-        training loop's own checks that only hold inside an iteration are off there)."""
-        return contextlib.nullcontext()
+    @property
+    def sharded(self) -> bool:
+        """Whether the optimizer is Megatron-Core's distributed optimizer."""
+        return self._sharded
 
     def enable_templates(self, recipe: StageRecipe) -> None:
         """Lets the job shrink onto pipeline templates when a rank is lost and no standby is
         ready (:mod:`mover_plugin.megatron.templates.shrunk`): ``recipe`` builds and trains a
         stage with the script's own model, optimizer, schedule and data. Call it before
         :meth:`attach`."""
-        self._recipe = recipe
+        self.templates.recipe = recipe
 
     @property
     def on_templates(self) -> bool:
         """Whether the job shrank and this rank trains on pipeline templates (the script's
         model and optimizer rest)."""
-        return self._shrunk is not None
+        return self.templates.on_templates
 
     def first_iteration(self, load: Callable[[], int]) -> int:
         """The iteration to start from: a joiner's comes from its twin, others ``load()``
@@ -284,9 +263,7 @@ class MegatronResilience:
         host memory it used is reported (a ``peer_copy`` event)."""
         if self._peer_copy is not None:
             self._peer_copy.report_and_close(self.runtime.control.post, self.runtime.rank)
-        if self._shrunk is not None and self.args.save:
-            path = self._shrunk.save_final(Path(self.args.save), self.runtime.ledger.applied)
-            logger.warning("rank %d wrote its final parameters to %s", self.runtime.rank, path)
+        self.templates.save_final(self.args.save)
         self.runtime.finish()
 
     # -- after a crash (FrameworkAdapter) -------------------------------------------------
@@ -295,86 +272,14 @@ class MegatronResilience:
                              snapshot: dict[str, Any]) -> Continuation:
         if self._sharded:
             return self._continue_sharded(snapshot)
-        target = self._agree_on_iteration(contribute=True)
-        self._settle_iteration(target, snapshot)
+        target = self.agree_on_iteration(contribute=True)
+        self.settle_iteration(target, snapshot)
         return Continuation(target, {item.rank: item.twin for item in plan.replacements})
-
-    def continue_on_templates(self, plan: GenerationPlan,
-                              snapshot: dict[str, Any]) -> Continuation:
-        assert self._recipe is not None, "a shrink plan for a job that published no spec"
-        target = self._agree_on_iteration(contribute=True)
-        self._settle_iteration(target, snapshot)
-        self._shrunk = ShrunkTraining(plan, dist.get_rank(), self._recipe, self._job_state(),
-                                      self._scheduler.state_dict())
-        self.runtime.train_with(self._step_on_templates)
-        return Continuation(target, received_bytes=self._shrunk.received_bytes)
-
-    def _step_on_templates(self, iteration: int,
-                           repeat: Optional[Callable[[Callable[[], list]], list]] = None
-                           ) -> tuple[float, float]:
-        """An iteration after the shrink; the script's optimizer shows the schedule's
-        learning rate, as the script logs it from there. ``repeat``: see
-        :meth:`~mover_plugin.megatron.templates.stage.StageTrainer.train_step`."""
-        assert self._shrunk is not None
-        result = self._shrunk.step(iteration, vote=self.runtime.switch_requested, repeat=repeat)
-        if self._shrunk.grow_agreed:
-            self.runtime.grow_back_at_next_step()
-        self.runtime.ledger.count_running_iteration()
-        for group in self._optimizer.param_groups:
-            group["lr"] = self._shrunk.learning_rate
-        return result
-
-    def leave_templates(self) -> None:
-        assert self._shrunk is not None
-        self._shrunk.trainer.groups.destroy()
-        self.teardown()  # what the templates set in parallel_state (its memory buffer)
-
-    def continue_after_growth(self, plan: GenerationPlan) -> int:
-        assert self._shrunk is not None
-        target = self._agree_on_iteration(contribute=True)
-        if target != self.runtime.ledger.applied:
-            raise LaunchError(f"rank {self.runtime.rank} completed {self.runtime.ledger.applied} "
-                              f"iterations but the job grows back at {target}")
-        trainer = self._shrunk.trainer
-        carried, received = move_back(
-            plan, self.runtime.rank, trainer.state, self._job_state(),
-            {**self.growth_state(), "schedule": trainer.scheduler.state_dict()})
-        load_schedule(self._scheduler, carried["schedule"])
-        self._shrunk = None
-        return received
-
-    def join_after_growth(self, plan: GenerationPlan) -> Continuation:
-        target = self._agree_on_iteration(contribute=False)
-        carried, received = move_back(plan, self.runtime.rank, None, self._job_state(), None)
-        load_schedule(self._scheduler, carried["schedule"])
-        forget_agreed_flags(self._optimizer)
-        self.runtime.ledger.applied = target
-        self.load_growth_state(carried, target)
-        return Continuation(target, received_bytes=received)
-
-    def growth_state(self) -> dict[str, Any]:
-        """What a survivor growing the job back carries to the standbys that join, besides the
-        learning-rate schedule (the training loop's own counters)."""
-        return {}
-
-    def load_growth_state(self, state: dict[str, Any], iteration: int) -> None:
-        """A standby that joins a job growing back takes :meth:`growth_state`; the job
-        continues from ``iteration``."""
-
-    def _job_state(self) -> StageState:
-        """The script's model and optimizer, by canonical parameter names."""
-        return StageState.of_model(self._job_module(), self._optimizer,
-                                   job_first_layer(self.args, self.runtime.rank),
-                                   tied=not self.args.untie_embeddings_and_output_weights)
-
-    def _job_module(self) -> torch.nn.Module:
-        """The script's model, unwrapped (a Megatron-Core script's model is its DDP)."""
-        return self._model.module
 
     def continue_as_joiner(self) -> Continuation:
         if self._sharded:
             return self._continue_sharded(None)
-        return Continuation(self._agree_on_iteration(contribute=False))
+        return Continuation(self.agree_on_iteration(contribute=False))
 
     def _continue_sharded(self, snapshot: Optional[dict[str, Any]]) -> Continuation:
         """With the distributed optimizer: in place when every lost rank's current shard is
@@ -394,13 +299,7 @@ class MegatronResilience:
             copy.settle()  # an exchange in flight ends, completed or failed
         mine = None
         if contribute:
-            ledger = self.runtime.ledger
-            step = ledger.step
-            updating = (step is not None and step.passed_commit
-                        and ledger.applied == step.iteration)
-            mine = {"applied": ledger.applied, "updating": updating,
-                    "held_of": copy.held_of if copy else -1,
-                    "held_version": copy.held_version if copy else -1}
+            mine = shard_record(self.runtime.ledger, copy)
         records: list[Any] = [None] * self.runtime.world_size
         dist.all_gather_object(records, mine)
         return decide_continuation(records, copy is not None, off="--resilient-no-peer-copy")
@@ -418,28 +317,23 @@ class MegatronResilience:
         iteration = self._load()
         return iteration or None
 
-    def _agree_on_iteration(self, *, contribute: bool) -> int:
+    def agree_on_iteration(self, *, contribute: bool) -> int:
         """All ranks of the new generation learn the iteration everyone will be at.
 
         A rank of the previous generation contributes its commit record (a survivor
         interrupted inside ``run_step``); a joiner, which has none, contributes nothing. A
         rank that passed the commit but has not applied the update yet counts the iteration as
         done."""
-        ledger, mine = self.runtime.ledger, None
-        if contribute:
-            step = ledger.step
-            pending = (step is not None and step.passed_commit
-                       and ledger.applied == step.iteration)
-            mine = {"applied": ledger.applied, "passed": pending}
+        mine = self.runtime.ledger.completed_by_commit() if contribute else None
         records: list[Any] = [None] * self.runtime.world_size
         dist.all_gather_object(records, mine)
-        return max(r["applied"] + (1 if r["passed"] else 0) for r in records if r is not None)
+        return max(record for record in records if record is not None)
 
-    def _settle_iteration(self, target: int, snapshot: dict[str, Any]) -> None:
+    def settle_iteration(self, target: int, snapshot: dict[str, Any]) -> None:
         """Brings this survivor to ``target`` completed iterations."""
         ledger = self.runtime.ledger
         step = ledger.step
-        if ledger.applied == target - 1 and step is not None and step.reached_commit:
+        if ledger.may_finish_update(target):
             # Some rank passed the commit: every rank's gradients were complete.
             self._apply_update()
             self._scheduler.step(increment=self.args.global_batch_size)
@@ -454,11 +348,6 @@ class MegatronResilience:
             self.restore_snapshot(snapshot)
 
     # -- groups, snapshot and state (FrameworkAdapter) ------------------------------------
-
-    @property
-    def templates(self) -> "MegatronResilience":
-        """The adapter takes part in pipeline templates itself (its methods below)."""
-        return self
 
     def init_groups(self) -> None:
         from megatron.core import parallel_state

@@ -222,7 +222,7 @@ class DropInHooks(MegatronLMHooks):
             # WORLD barrier and gather; a joiner's first is not the job's: log as the others.
             kwargs["is_first_iteration"] = False
         if self.resilience.on_templates:
-            kwargs["pg_collection"] = self.resilience.stage_groups  # the model's rest
+            kwargs["pg_collection"] = self.resilience.templates.stage_groups  # the model's rest
         report_memory_flag = kwargs["report_memory_flag"] if "report_memory_flag" in kwargs \
             else args[5]
         return self.resilience.between_steps(lambda: training_log(*args, **kwargs),

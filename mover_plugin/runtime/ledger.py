@@ -4,6 +4,13 @@ The runtime opens a :class:`StepState` for each attempt at an iteration and clos
 the iteration ends; the commit gate marks it as it passes. A framework adapter reads the
 ledger to decide, after a crash, which side of the optimizer update this rank is on, and
 counts the update once its optimizer has applied it.
+
+**The commit rule**, read here only: a rank that passed the commit all-reduce of an iteration
+knows every rank had complete gradients, so the iteration counts as done for the whole job
+even where the update is not applied yet (:attr:`StepLedger.update_pending`,
+:meth:`StepLedger.completed_by_commit`); a rank that reached the commit but was interrupted
+before it passed applied nothing, and may finish the update only once some rank passed it
+(:meth:`StepLedger.may_finish_update`).
 """
 
 from __future__ import annotations
@@ -38,6 +45,25 @@ class StepLedger:
 
     def end(self) -> None:
         self.step = None
+
+    @property
+    def update_pending(self) -> bool:
+        """This rank passed the commit of the running iteration and has not counted its
+        update yet (it may be applying it, or not have begun)."""
+        step = self.step
+        return step is not None and step.passed_commit and self.applied == step.iteration
+
+    def completed_by_commit(self) -> int:
+        """The iterations this rank counts as completed for the job: those it applied, and the
+        running one once it passed the commit."""
+        return self.applied + (1 if self.update_pending else 0)
+
+    def may_finish_update(self, target: int) -> bool:
+        """Whether this rank, interrupted in the iteration before ``target`` after its
+        gradients were complete (it reached the commit), applies that update during the
+        switch: the job continues from ``target``, so some rank passed the commit."""
+        step = self.step
+        return self.applied == target - 1 and step is not None and step.reached_commit
 
     def count_running_iteration(self) -> None:
         """The running iteration's update was applied: it counts as completed."""

@@ -54,6 +54,11 @@ class MigrationParticipant:
         self._next_groups = GroupPreparation(
             generation, lambda: self._prepare_next_groups(generation))
 
+    def agree(self) -> None:
+        """The commit all-reduce of this iteration showed that some rank saw the switch
+        request: every rank switches at its boundary."""
+        self.switch_agreed = True
+
     def reset_switch(self) -> None:
         """A new generation starts with no switch requested."""
         self.switch_requested = self.switch_agreed = False

@@ -36,10 +36,20 @@ from torch.distributed import PrefixStore, Store
 
 from mover_plugin.comm.process_group import MoverProcessGroup
 from mover_plugin.contract import peer_copy_prefix
+from mover_plugin.runtime.ledger import StepLedger
 
 logger = logging.getLogger(__name__)
 
 _SOURCE, _DESTINATION = 0, 1
+
+
+def shard_record(ledger: StepLedger, copy: Optional["PeerCopy"]) -> dict[str, Any]:
+    """This rank's record for :func:`decide_continuation`. A rank caught past the commit with
+    its update not counted (:attr:`StepLedger.update_pending`) may have begun the update; a
+    rank still waiting in the commit changed nothing."""
+    return {"applied": ledger.applied, "updating": ledger.update_pending,
+            "held_of": copy.held_of if copy else -1,
+            "held_version": copy.held_version if copy else -1}
 
 
 def decide_continuation(records: list[Optional[dict[str, Any]]], peer_copy: bool, *,

@@ -30,12 +30,11 @@ hands itself to a :class:`ResilienceRuntime`, which holds everything else:
   "I saw the controller's switch request" so all ranks learn in the same iteration that a
   planned switch is due.
 - **No standby ready**: the controller may plan a *shrink* instead
-  (:mod:`mover_plugin.shrink`): the survivors shut every group of the old world down, make a
-  world of their own, and the adapter trains them on pipeline templates with a step of its own
-  (:meth:`ResilienceRuntime.train_with`). When standbys are ready again the controller asks
-  for a switch; the survivors agree in an iteration and, before the next, build the job's
-  world and groups again, point the script's objects at them, and the adapter moves the state
-  back; the standbys join with it (:meth:`ResilienceRuntime.join`).
+  (:mod:`mover_plugin.shrink`), and the job grows back once standbys are ready again:
+  :mod:`mover_plugin.runtime.template_switch`; on pipeline templates every iteration runs
+  the adapter's step (:meth:`ResilienceRuntime.train_with`).
+- **Where the process is** — a standby, joining, starting, on the job's layout, on pipeline
+  templates, growing back — is one explicit :class:`Mode`.
 - **Planned migration**: :mod:`mover_plugin.runtime.migration`. **Injected faults** for its
   tests: :mod:`mover_plugin.runtime.faults`.
 """
@@ -60,12 +59,7 @@ from mover_plugin.errors import LaunchError
 from mover_plugin.generations import Replacement
 from mover_plugin.layout import ParallelLayout
 from mover_plugin.progress import ProgressReporter
-from mover_plugin.runtime.adapter import (
-    Continuation,
-    FrameworkAdapter,
-    TemplateParticipant,
-    Transfer,
-)
+from mover_plugin.runtime.adapter import Continuation, FrameworkAdapter, Transfer
 from mover_plugin.runtime.control import ControlClient
 from mover_plugin.runtime.exits import (
     describe_error,
@@ -81,8 +75,27 @@ from mover_plugin.runtime.migration import MigrationParticipant
 from mover_plugin.runtime.notices import NoticeWatcher
 from mover_plugin.runtime.settings import ResilienceSettings
 from mover_plugin.runtime.state_transfer import StateTransfer
+from mover_plugin.runtime.template_switch import TemplateSwitch
 
 logger = logging.getLogger(__name__)
+
+
+class Mode(enum.Enum):
+    """Where this process is in the job; the runtime's procedures follow from it."""
+
+    STANDBY = "standby"
+    """Started as a standby; not promoted to a rank yet."""
+    JOINING = "joining"
+    """Promoted to a rank (:attr:`ResilienceRuntime.joiner_of`); trains once it has its
+    state."""
+    STARTING = "starting"
+    """Started with the job; its first step waits until the standbys are ready."""
+    ON_JOB_LAYOUT = "on the job's layout"
+    """Training on the job's own groups."""
+    ON_TEMPLATES = "on pipeline templates"
+    """Shrunk: training on pipeline templates with the adapter's step."""
+    GROWING_BACK = "growing back"
+    """On pipeline templates, and the survivors agreed to grow back at the next step."""
 
 
 class SwitchPoint(enum.Enum):
@@ -110,30 +123,27 @@ class ResilienceRuntime:
         self.groups = GroupSwitcher(control, adapter, self.timeout)
         self.transfer = StateTransfer(control, adapter, self.ledger, self.timeout)
         self.migration = MigrationParticipant(self)
+        self.shrinking = TemplateSwitch(self.groups, adapter)
+        self.mode = Mode.STANDBY if control.standby_id is not None else Mode.STARTING
         self.joiner_of: Optional[Replacement] = None
         """For a promoted standby: its replacement (rank, twin)."""
         self._joined: Optional[GenerationPlan] = None
         """For a promoted standby: the plan of the generation it was promoted into (its kind
         says whether it replaces a lost rank, a leaving one, or grows a shrunk job back)."""
-        self._grow_due = False
-        """The survivors on pipeline templates agreed, in the iteration that just ran, to grow
-        back (:meth:`grow_back_at_next_step`): at the start of the next :meth:`run_step`."""
         self._received_bytes = 0
         """For a standby promoted to grow a shrunk job back: the state it received."""
         self._heartbeat = Heartbeat(progress, settings.heartbeat_interval_s,
                                     settings.failure_timeout_s)
         progress.measure_busy_time(waited_s)  # for the slow-rank policy
         self._watch: Optional[NoticeWatcher] = None
-        self._await_standbys = False
-        """Set until the first step of a rank that started with the job."""
         self._switch_point = SwitchPoint.END_OF_ITERATION
         """Where a planned switch agreed on in an iteration happens (see
         :meth:`switch_at_next_step`)."""
         self._last_step_s = 0.0
         self._last_step_end = 0.0
         self._own_step: Optional[Callable[[int], Any]] = None
-        """The adapter's step that replaces the script's once the job shrank onto pipeline
-        templates (:meth:`train_with`)."""
+        """The adapter's step that replaces the script's on pipeline templates
+        (:meth:`train_with`)."""
 
     def switch_at_next_step(self) -> None:
         """A planned switch agreed on in an iteration happens at the start of the next
@@ -145,7 +155,8 @@ class ResilienceRuntime:
     def grow_back_at_next_step(self) -> None:
         """The survivors on pipeline templates agreed, in the iteration that just ran, to grow
         back: the job's own layout is rebuilt at the start of the next :meth:`run_step`."""
-        self._grow_due = True
+        assert self.mode is Mode.ON_TEMPLATES, self.mode
+        self.mode = Mode.GROWING_BACK
 
     @classmethod
     def connect(cls, settings: ResilienceSettings,
@@ -182,6 +193,7 @@ class ResilienceRuntime:
             raise LaunchError(f"standby {self.control.standby_id} was promoted to rank "
                               f"{self.rank}, which generation {self.generation} does not replace")
         self._joined = plan
+        self.mode = Mode.JOINING
         self.faults.arm(plan.fault)
         os.environ["RANK"] = str(self.rank)
         logger.warning("standby %s promoted to rank %d in generation %d",
@@ -198,7 +210,7 @@ class ResilienceRuntime:
         if self._watch is None:
             raise LaunchError("the resilience runtime needs the job to run under "
                               "'mover-launch' (no notice pipe from its agent)")
-        if self.joiner_of is None:
+        if self.mode is not Mode.JOINING:
             self._init_groups()
             if self.rank == 0 and layout is not None:
                 self.control.publish_layout(layout)
@@ -217,12 +229,12 @@ class ResilienceRuntime:
         # The others' default group is covered by their other groups: a joiner's needs no
         # connections of its own (mover_plugin.comm.world).
         self.groups.init_world(self.generation, self.rank, self.world_size,
-                               connect=self.joiner_of is None)
+                               connect=self.mode is not Mode.JOINING)
 
     def begin(self, applied: int) -> int:
         """A rank that started with the job begins at ``applied`` completed iterations."""
         self.ledger.applied = applied
-        self._await_standbys = True
+        self.mode = Mode.STARTING
         return applied
 
     def join(self, adopted: bool = False) -> int:
@@ -232,6 +244,7 @@ class ResilienceRuntime:
         self.control.post("prepared", rank=self.rank, standby=self.control.standby_id,
                           time=started, adopted=adopted)
         target = self._continue_as_joiner()
+        self.mode = Mode.ON_JOB_LAYOUT
         self.control.post("switched", rank=self.rank, role="joiner", time=time.time(),
                           build_s=time.time() - started, adopted=adopted,
                           received_bytes=self._received_bytes)
@@ -247,7 +260,7 @@ class ResilienceRuntime:
             return self.ledger.applied
         if joined is PlanKind.GROW:
             assert self._joined is not None
-            continuation = self._templates().join_after_growth(self._joined)
+            continuation = self.shrinking.join(self._joined)
             self._received_bytes = continuation.received_bytes
             return continuation.iteration
         plan: Optional[GenerationPlan] = None
@@ -362,7 +375,7 @@ class ResilienceRuntime:
         while True:
             self.ledger.begin(iteration)
             try:
-                result = (self._own_step or step)(iteration)
+                result = self._step_for_mode(step)(iteration)
                 self.close_step(iteration, started)
                 return result, iteration + 1
             except Exception as error:  # noqa: BLE001 - filtered in recover_in_step
@@ -376,12 +389,12 @@ class ResilienceRuntime:
         an adapter whose iteration spans several calls of the training script): a switch
         agreed on before it, then the snapshot a redo starts from. Returns the snapshot and
         the time the iteration began."""
-        if self._grow_due:
+        if self.mode is Mode.GROWING_BACK:
             self._grow_back()
         if self.migration.switch_agreed and self._switch_point is SwitchPoint.NEXT_STEP:
             self.migration.switch_at_boundary(self._last_step_s)
         self.progress.generation = self.generation  # deferred after a planned switch
-        if self._await_standbys:
+        if self.mode is Mode.STARTING:
             self._wait_for_standbys()
         return self.adapter.capture_snapshot(), time.time()
 
@@ -404,10 +417,18 @@ class ResilienceRuntime:
         device_ready_or_exit(self.rank, "the switch")
         return self._switch_generation(snapshot)
 
-    def train_with(self, step: Optional[Callable[[int], Any]]) -> None:
-        """From now on every iteration runs ``step`` instead of the script's (the adapter's,
-        after the job shrank onto pipeline templates; None: the script's again)."""
+    def train_with(self, step: Callable[[int], Any]) -> None:
+        """The job shrank onto pipeline templates: every iteration runs the adapter's
+        ``step`` instead of the script's until the job grows back."""
         self._own_step = step
+        self.mode = Mode.ON_TEMPLATES
+
+    def _step_for_mode(self, step: Callable[[int], Any]) -> Callable[[int], Any]:
+        """The script's ``step``, or on pipeline templates the adapter's."""
+        if self.mode is Mode.ON_TEMPLATES:
+            assert self._own_step is not None
+            return self._own_step
+        return step
 
     @property
     def switch_requested(self) -> bool:
@@ -437,7 +458,7 @@ class ResilienceRuntime:
     def _wait_for_standbys(self) -> None:
         """Training starts protected: its first step waits until the standbys are ready
         (bounded: a standby lost while warming up must not hold the job)."""
-        self._await_standbys = False
+        self.mode = Mode.ON_JOB_LAYOUT
         if not self.control.wait_for_standbys(self.settings.collective_timeout_s):
             logger.warning("rank %d: starting before every standby is ready", self.rank)
 
@@ -454,7 +475,7 @@ class ResilienceRuntime:
         dist.all_reduce(votes)
         step.passed_commit = True
         if votes[1] > 0:
-            migration.switch_agreed = True  # every rank switches at the end of this iteration
+            migration.agree()
             self.faults.at(f"update={self.rank}", self.rank)
 
     def roll_back(self, why: str, load: Callable[[], Optional[int]]) -> Continuation:
@@ -500,7 +521,10 @@ class ResilienceRuntime:
             try:
                 with cancel_when(self._superseded):
                     if plan.kind is PlanKind.SHRINK:
-                        continuation, replaced = self._shrink_in(plan, snapshot), 0
+                        self.world_size = plan.world_size
+                        continuation = self.shrinking.shrink(self.generation, self.rank, plan,
+                                                             snapshot)
+                        replaced = 0
                     elif self._replacement_in(plan) is not None:
                         return self._rejoin(plan, started)
                     else:
@@ -525,49 +549,26 @@ class ResilienceRuntime:
                 self.transfer.send(self.generation, lost, continuation.iteration)
         return continuation, replaced
 
-    def _shrink_in(self, plan: GenerationPlan, snapshot: dict[str, Any]) -> Continuation:
-        """A survivor's part of a shrink (no standby was ready for the lost ranks): every group
-        of the old world is shut down (never waiting on the lost peer), the survivors make a
-        world of their own, numbered in the order of their job ranks (this process keeps its
-        job rank towards the controller), and the adapter moves the training onto the plan's
-        pipeline templates."""
-        self.groups.leave_job_layout()
-        self.world_size = plan.world_size
-        self.groups.init_survivors_world(self.generation, plan.survivors.index(self.rank),
-                                         self.world_size)
-        return self._templates().continue_on_templates(plan, snapshot)
-
     def _grow_back(self) -> None:
-        """A survivor's switch from pipeline templates back to the job's own layout, at the
-        start of the step after the one in which the survivors agreed on it (the script logs
-        that one from the survivors' world): the job's world and groups are built again (with
-        the standbys that take the lost ranks), every reference the script's objects hold to
-        the groups of the job before the shrink is pointed at their new counterparts, and the
-        adapter moves the state back into the script's objects."""
+        """A survivor's switch from pipeline templates back to the job's own layout
+        (:meth:`TemplateSwitch.grow_back <mover_plugin.runtime.template_switch.TemplateSwitch.
+        grow_back>`), at the start of the step after the one in which the survivors agreed on
+        it (the script logs that one from the survivors' world)."""
         ended, step_s = self._last_step_end, self._last_step_s
-        self._grow_due = False
         self.advance_generation()
         plan = self.control.wait_for_plan(self.generation)
         self.progress.generation = self.generation
-        self._templates().leave_templates()
         self.world_size = plan.world_size
-        count = self.groups.regrow_job_layout(self.generation, self.rank, self.world_size)
-        received = self._templates().continue_after_growth(plan)
-        self.adapter.after_switch()
+        grown = self.shrinking.grow_back(self.generation, self.rank, plan)
         self._own_step = None
+        self.mode = Mode.ON_JOB_LAYOUT
         self.control.post("switched", rank=self.rank, role="survivor", time=time.time(),
-                          switch_s=time.time() - ended, references=count, boundary_end=ended,
-                          boundary_step_s=step_s, boundary_step=self.ledger.applied,
-                          received_bytes=received)
+                          switch_s=time.time() - ended, references=grown.references,
+                          boundary_end=ended, boundary_step_s=step_s,
+                          boundary_step=self.ledger.applied,
+                          received_bytes=grown.received_bytes)
         logger.warning("rank %d runs on the job's own layout again (generation %d)", self.rank,
                        self.generation)
-
-    def _templates(self) -> TemplateParticipant:
-        templates = self.adapter.templates
-        if templates is None:
-            raise LaunchError("a shrink or a growth was planned for a job whose framework cannot "
-                              "train on pipeline templates")
-        return templates
 
     def _rejoin(self, plan: GenerationPlan, started: float) -> Continuation:
         """A promoted standby that was still a joiner when the controller planned ``plan``

@@ -21,6 +21,12 @@ Megatron-LM's ``pretrain``.
   ``data_parallel_size x micro_batch_size x micro-batches`` samples from its flags, as the job
   does.
 - :func:`lm_template_refusals`: why a job cannot train on templates on this path.
+- :class:`MegatronLMLoop`: where Megatron-LM's loop differs from a Megatron-Core script's
+  for the adapters' template unit (:mod:`mover_plugin.megatron.templates.participant`): an
+  iteration runs inside Megatron-Core's rerun state machine and returns what Megatron-LM's
+  ``train_step`` returns, the stage's view of the layout is left before a shrink and after
+  growing back, a survivor's training data starts again where the job is, and the joining
+  standbys get Megatron-LM's counters with the schedule.
 
 While shrunk, the script's own model and optimizer rest: Megatron-LM's checkpoints and
 evaluations are skipped (logged), and ``training_log`` reports the loss over the whole global
@@ -34,9 +40,13 @@ import contextlib
 import copy
 import dataclasses
 import logging
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
+import torch
+
+from mover_plugin.megatron.lm_counters import load_loop_state, loop_state
 from mover_plugin.megatron.lm_standby import PretrainCall
+from mover_plugin.megatron.templates.participant import Repeat
 from mover_plugin.megatron.templates.stage import StageRecipe
 
 logger = logging.getLogger(__name__)
@@ -207,3 +217,60 @@ def skipped_on_templates(what: str) -> None:
     if dist.get_rank() == 0:
         logger.warning("%s skipped: the job trains on pipeline templates, and the script's own "
                        "model rests", what)
+
+
+class MegatronLMLoop:
+    """Megatron-LM's training loop, as the template unit sees it (module docstring)."""
+
+    def __init__(self, args: argparse.Namespace, restart_data: Callable[[], None]) -> None:
+        """``restart_data``: starts a survivor's training data iterator again where the job
+        is (it read nothing while on the templates)."""
+        self._args = args
+        self._restart_data = restart_data
+
+    def measuring(self) -> contextlib.AbstractContextManager[Any]:
+        return rerun_checks_off()
+
+    def job_module(self, model: Any) -> torch.nn.Module:
+        return model[0].module
+
+    def before_shrink(self) -> None:
+        # A shrink started again after another loss: the job's layout is read first.
+        StageView.leave(self._args)
+
+    def step(self, train: Callable[[Optional[Repeat]], tuple[float, float]]) -> Any:
+        """Its forward and backward passes inside Megatron-Core's rerun state machine (which
+        the script's loss function reports to, and which may run them again); then the loss
+        over the global batch (on every rank, so that whichever rank logs prints it), the
+        gradient norm, and the machine's checkpoint and exit requests."""
+        from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+        machine = get_rerun_state_machine()
+        requests = (False, False, 0)
+
+        def as_megatron_lm_runs(forward_backward: Callable[[], list]) -> list:
+            nonlocal requests
+            losses: list = []
+            # The templates read their micro-batches by slot, not from the data iterator.
+            while machine.should_run_forward_backward(None):
+                losses = forward_backward()
+            requests = machine.should_checkpoint_and_exit()
+            return losses
+
+        loss, grad_norm = train(as_megatron_lm_runs)
+        should_checkpoint, should_exit, exit_code = requests
+        return ({"lm loss": torch.tensor(loss, dtype=torch.float32)}, 0, should_checkpoint,
+                should_exit, exit_code, grad_norm, None, 0)
+
+    def after_leaving(self) -> None:
+        StageView.leave(self._args)
+
+    def after_growth(self) -> None:
+        self._restart_data()
+
+    def growth_state(self) -> dict[str, Any]:
+        return loop_state(self._args)
+
+    def load_growth_state(self, state: dict[str, Any], iteration: int) -> None:
+        self._args.iteration = iteration
+        load_loop_state(self._args, state)

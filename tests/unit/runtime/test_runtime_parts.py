@@ -16,6 +16,7 @@ from mover_plugin.runtime.exits import describe_error, is_lost_peer
 from mover_plugin.runtime.faults import FaultInjector
 from mover_plugin.runtime.ledger import StepLedger
 from mover_plugin.runtime.migration import GroupPreparation
+from mover_plugin.runtime.peer_copy import shard_record
 
 
 def test_the_ledger_counts_an_iteration_only_while_one_runs():
@@ -28,6 +29,22 @@ def test_the_ledger_counts_an_iteration_only_while_one_runs():
     assert (ledger.applied, ledger.step.reached_commit) == (5, True)
     ledger.end()
     assert ledger.step is None
+
+
+def test_the_commit_rule_counts_an_iteration_passed_but_not_applied():
+    ledger = StepLedger(applied=4)
+    assert (ledger.update_pending, ledger.completed_by_commit()) == (False, 4)
+    step = ledger.begin(4)
+    step.reached_commit = True  # waiting in the commit: nothing changed yet
+    assert (ledger.update_pending, ledger.completed_by_commit()) == (False, 4)
+    assert ledger.may_finish_update(5) and not ledger.may_finish_update(4)
+    step.passed_commit = True  # every rank reached it: the iteration is done for the job
+    assert (ledger.update_pending, ledger.completed_by_commit()) == (True, 5)
+    ledger.count_running_iteration()
+    assert (ledger.update_pending, ledger.completed_by_commit()) == (False, 5)
+    assert not ledger.may_finish_update(5)  # applied already
+    record = shard_record(ledger, None)
+    assert record == {"applied": 5, "updating": False, "held_of": -1, "held_version": -1}
 
 
 def test_a_fault_point_other_than_the_armed_one_does_nothing():
