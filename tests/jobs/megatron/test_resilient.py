@@ -34,13 +34,15 @@ def resilient_run(tmp_path, *injections, standbys=1, script_flags=PP2, extra=())
     return result, json.loads(summary.read_text()), read_events(events)
 
 
-def check_standby_recovery(interruption, events, rank, world_size=4):
+def check_standby_recovery(interruption, events, rank, world_size=4, interruptions=1):
+    """``interruption`` (one of ``interruptions`` in the run) was ``rank``'s, recovered by a
+    standby with every other rank kept."""
     assert interruption["recovery"] == "standby"
     assert interruption["rank"] == rank
     survivors = sorted(set(range(world_size)) - {rank})
     assert sorted(int(r) for r in interruption["left_s"]) == survivors
     order = [e["event"] for e in events if e["event"] in ("worker_failed", "promote", "resumed")]
-    assert order == ["worker_failed", "promote", "resumed"]
+    assert order == ["worker_failed", "promote", "resumed"] * interruptions
     generation = interruption["generation"]
     switched = {e["rank"]: e["role"] for e in events
                 if e["event"] == "switched" and e["generation"] == generation}
@@ -49,27 +51,32 @@ def check_standby_recovery(interruption, events, rank, world_size=4):
 
 
 @pytest.mark.parametrize(
-    "rank, step",
-    [(0, 3), (1, 8), (2, 4), (3, 7)],
-    ids=["first-stage-dp0-early", "first-stage-dp1-late", "last-stage-dp0-early",
-         "last-stage-dp1-late"],
+    "kills",
+    [((0, 3), (3, 7)), ((2, 4), (1, 8))],
+    ids=["first-stage-dp0-early-then-last-stage-dp1-late",
+         "last-stage-dp0-early-then-first-stage-dp1-late"],
 )
-def test_sigkill_of_any_rank_is_survived_exactly(tmp_path, reference_pp2, rank, step):
-    result, summary, events = resilient_run(tmp_path, f"{rank}:{step}")
+def test_sigkill_of_any_rank_is_survived_exactly(tmp_path, reference_pp2, kills):
+    """Each rank of TP1 x PP2 x DP2 SIGKILLed once, early or late in the run, two ranks a run
+    (two standbys): each is replaced in place by a standby that adopts the model it kept."""
+    result, summary, events = resilient_run(tmp_path, *(f"{rank}:{step}" for rank, step in kills),
+                                            standbys=2)
     assert digest(result) == digest(reference_pp2)
     assert summary["steps_completed"] == 10 and summary["restarts"] == 0
-    (interruption,) = summary["interruptions"]
-    assert interruption["step"] >= step and interruption["how"] == "signal SIGKILL"
-    check_standby_recovery(interruption, events, rank)
-    assert {"detected", "alarm", "left", "switched", "first_step_completed"} <= set(
-        interruption["phases_s"])
-    # The standby warmed up as both stages and kept both: it adopts the failed rank's.
-    (warmed,) = [e for e in events if e["event"] == "standby_warmed"]
-    assert warmed["roles"] == warmed["kept"] == ["first", "last"]
-    assert warmed["shadow_iterations"] == 2
-    assert warmed["sandbox_operations"] > 0
-    (joiner,) = [e for e in events if e["event"] == "switched" and e["role"] == "joiner"]
-    assert joiner["adopted"] is True
+    assert len(summary["interruptions"]) == len(kills)
+    for interruption, (rank, step) in zip(summary["interruptions"], kills):
+        assert interruption["step"] >= step and interruption["how"] == "signal SIGKILL"
+        check_standby_recovery(interruption, events, rank, interruptions=len(kills))
+        assert {"detected", "alarm", "left", "switched", "first_step_completed"} <= set(
+            interruption["phases_s"])
+    # Each standby warmed up as both stages and kept both: it adopts the failed rank's.
+    warmed = [e for e in events if e["event"] == "standby_warmed"]
+    assert len(warmed) == len(kills)
+    for each in warmed:
+        assert each["roles"] == each["kept"] == ["first", "last"]
+        assert each["shadow_iterations"] == 2 and each["sandbox_operations"] > 0
+    joiners = [e for e in events if e["event"] == "switched" and e["role"] == "joiner"]
+    assert [(e["rank"], e["adopted"]) for e in joiners] == [(rank, True) for rank, _ in kills]
 
 
 PP3 = ["--pipeline-model-parallel-size", "3", "--num-layers", "3", "--train-iters", "8"]

@@ -98,6 +98,7 @@ def test_megatron_state_is_put_back_after_a_warm_up() -> None:
     global_vars._set_timers(args)
     timers = global_vars.get_timers()
     timers("before", log_level=0)
+    destroy_rerun_state_machine()  # the one another test of this process may have made
     initialize_rerun_state_machine(mode=RerunMode.VALIDATE_RESULTS)
     machine = get_rerun_state_machine()
     before = (machine.state, machine.current_iteration)

@@ -110,31 +110,36 @@ def adopted_by_rank(events) -> dict[int, bool]:
             if e["event"] == "switched" and e["role"] == "joiner"}
 
 
-@pytest.mark.parametrize("rank, step", [(0, 3), (3, 4)], ids=["first-stage", "last-stage"])
-def test_a_sigkilled_rank_of_megatron_lm_is_replaced_in_place_exactly(rank, step, tmp_path,
-                                                                     failure_free_pp2):
-    result, summary, events = resilient_run(tmp_path,
-                                            injections=["--inject-failure", f"{rank}:{step}"])
+def test_sigkilled_ranks_of_megatron_lm_are_replaced_in_place_exactly(tmp_path, failure_free_pp2):
+    """Rank 0 (first stage) SIGKILLed at step 3, then rank 3 (last stage) at step 5, each
+    replaced by one of two standbys."""
+    kills = ((0, 3), (3, 5))
+    result, summary, events = resilient_run(
+        tmp_path, standbys=2,
+        injections=[flag for rank, step in kills for flag in ("--inject-failure", f"{rank}:{step}")])
     assert digest(result) == digest(failure_free_pp2)
     assert summary["steps_completed"] == 6 and summary["restarts"] == 0
-    (interruption,) = summary["interruptions"]
-    assert (interruption["kind"], interruption["recovery"], interruption["rank"]) == (
-        "failure", "standby", rank)
-    assert interruption["how"] == "signal SIGKILL" and interruption["downtime_s"] > 0
-    # Every survivor left the failed iteration and kept its process; only the standby is new.
-    assert sorted(int(r) for r in interruption["left_s"]) == sorted({0, 1, 2, 3} - {rank})
-    assert switched_roles(events, interruption["generation"]) == {
-        r: "joiner" if r == rank else "survivor" for r in range(4)}
+    assert len(summary["interruptions"]) == len(kills)
+    for interruption, (rank, step) in zip(summary["interruptions"], kills):
+        assert (interruption["kind"], interruption["recovery"], interruption["rank"]) == (
+            "failure", "standby", rank)
+        assert interruption["how"] == "signal SIGKILL" and interruption["downtime_s"] > 0
+        assert interruption["step"] >= step
+        # Every survivor left the failed iteration and kept its process; only the standby is
+        # new.
+        assert sorted(int(r) for r in interruption["left_s"]) == sorted({0, 1, 2, 3} - {rank})
+        assert switched_roles(events, interruption["generation"]) == {
+            r: "joiner" if r == rank else "survivor" for r in range(4)}
     assert not [e for e in events if e["event"] in ("restart", "fallback")]
-    # The interrupted iteration was redone: each iteration is counted once in the log.
+    # The interrupted iterations were redone: each iteration is counted once in the log.
     assert "iteration        6/       6" in result.stdout
-    # The standby warmed up as both stages with Megatron-LM's own model set-up and
+    # Each standby warmed up as both stages with Megatron-LM's own model set-up and
     # train_step, and trains with the objects of the lost rank's stage.
-    (warmed,) = [e for e in events if e["event"] == "standby_warmed"]
-    assert warmed["roles"] == warmed["kept"] == ["first", "last"]
-    assert warmed["shadow_iterations"] == 2 and warmed["sandbox_operations"] > 0
-    (joiner,) = [e for e in events if e["event"] == "switched" and e["role"] == "joiner"]
-    assert joiner["adopted"] is True
+    warmed = [e for e in events if e["event"] == "standby_warmed"]
+    assert len(warmed) == 2 and all(w["roles"] == w["kept"] == ["first", "last"]
+                                    and w["shadow_iterations"] == 2
+                                    and w["sandbox_operations"] > 0 for w in warmed)
+    assert adopted_by_rank(events) == {0: True, 3: True}
 
 
 def test_megatron_lm_survives_a_migration_and_a_hang_exactly(tmp_path, failure_free_pp2):
