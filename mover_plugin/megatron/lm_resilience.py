@@ -151,7 +151,8 @@ class MegatronLMResilience(MegatronResilience):
         # From the flags, not kept in args: Megatron-LM pickles args into its checkpoints,
         # which must load where mover_plugin is not installed.
         super().__init__(args, ResilienceSettings.from_args(args),
-                         MegatronLMLoop(args, self._restart_training_data))
+                         loop=MegatronLMLoop(args, self._restart_training_data),
+                         reload=self._load_checkpoint)
         self._pretrain = pretrain
         self._initialize: Callable[[], Any] = lambda: None
         self._local: Any = None
@@ -403,7 +404,7 @@ class MegatronLMResilience(MegatronResilience):
     def model_state_tensors(self) -> list[torch.Tensor]:
         return [tensor for chunk in self._model for tensor in module_state_tensors(chunk.module)]
 
-    def _reload(self) -> Optional[int]:
+    def _load_checkpoint(self) -> Optional[int]:
         """Megatron-LM's last checkpoint (``--load``) through its own ``load_checkpoint``;
         None without one."""
         from megatron.training.checkpointing import (

@@ -108,11 +108,14 @@ class MegatronResilience:
 
     def __init__(self, args: argparse.Namespace,
                  settings: Optional[ResilienceSettings] = None,
-                 loop: Optional[TemplateLoop] = None) -> None:
+                 loop: Optional[TemplateLoop] = None,
+                 reload: Optional[Callable[[], Optional[int]]] = None) -> None:
         """``settings``: the checked resilience settings (by default ``args.resilience``);
         ``loop``: where the training loop differs on pipeline templates (by default a
         Megatron-Core script's own, :class:`~mover_plugin.megatron.templates.participant.
-        CoreLoop`)."""
+        CoreLoop`); ``reload``: how a rollback loads the last checkpoint in place and returns
+        its iteration, None without one (by default the ``load`` given to
+        :meth:`first_iteration`)."""
         self.args = args
         self._parallel_kwargs: dict[str, Any] = {}
         self._model: Any = None
@@ -129,6 +132,7 @@ class MegatronResilience:
         self._peer_copy: Optional[PeerCopy] = None
         self._load: Callable[[], Optional[int]] = lambda: None
         """Loads the last checkpoint into the model and optimizer (for a rollback)."""
+        self._reload = reload or self._reload_loaded
         self.templates = MegatronTemplates(self, loop or CoreLoop())
         """The adapter's part in pipeline templates (the runtime's shrink and growth)."""
         self.copy_between_steps = False
@@ -263,7 +267,7 @@ class MegatronResilience:
         host memory it used is reported (a ``peer_copy`` event)."""
         if self._peer_copy is not None:
             self._peer_copy.report_and_close(self.runtime.control.post, self.runtime.rank)
-        self.templates.save_final(self.args.save)
+        self.templates.save_final(getattr(self.args, "save", None))
         self.runtime.finish()
 
     # -- after a crash (FrameworkAdapter) -------------------------------------------------
@@ -312,8 +316,9 @@ class MegatronResilience:
         forget_agreed_flags(self._optimizer)
         return continuation
 
-    def _reload(self) -> Optional[int]:
-        """The last checkpoint, loaded in place; None if there is none."""
+    def _reload_loaded(self) -> Optional[int]:
+        """The last checkpoint, loaded in place by the script's ``load``; None if there is
+        none."""
         iteration = self._load()
         return iteration or None
 
