@@ -181,6 +181,11 @@ def check_handover(gpus: int) -> Outcome:
     return _from_child(joiner)
 
 
+def check_peer_copy_memory(gpus: int) -> Outcome:
+    (result,) = _run_ranks("peer_copy_memory", 1)
+    return _from_child(result)
+
+
 def check_peer_loss(gpus: int) -> Outcome:
     survivor = _run_ranks("peer_loss", 2)[0]
     return _from_child(survivor)
@@ -208,6 +213,7 @@ CHECKS = (
     Check("nccl_group", 1, check_nccl_group),
     Check("rng_redo", 1, check_rng_redo),
     Check("handover", 1, check_handover),
+    Check("peer_copy_memory", 1, check_peer_copy_memory),
     Check("peer_loss", 2, check_peer_loss),
     Check("hung_groups", 2, check_hung_groups),
     Check("batch_p2p", 2, check_batch_p2p),
@@ -354,6 +360,44 @@ def _child_handover(rank: int, world: int, port: int) -> tuple[str, str]:
             f"values {'right' if ok else 'wrong'}")
 
 
+def _child_peer_copy_memory(rank: int, world: int, port: int) -> tuple[str, str]:
+    import torch
+
+    from mover_plugin.host_memory import PageLockedBuffer
+
+    numel, gib = (5 << 29) // 4, 2.5  # a 2.5 GiB fp32 shard
+    shard = torch.full((numel,), 1.5, device="cuda")
+    before = _pinned_bytes()
+    cached = torch.empty(numel, pin_memory=True)
+    by_torch = _pinned_bytes() - before  # rounded up to a power of two
+    del cached  # back to torch's cache, still page-locked
+    began = time.monotonic()
+    buffer = PageLockedBuffer(numel, torch.float32)
+    registered_s = time.monotonic() - began
+    unseen = _pinned_bytes() - before == by_torch
+    began = time.monotonic()
+    buffer.tensor.copy_(shard, non_blocking=True)
+    torch.cuda.synchronize()
+    copied_s = time.monotonic() - began
+    right = bool(torch.all(buffer.tensor[::1 << 16] == 1.5))
+    pinned = buffer.tensor.is_pinned()
+    locked = buffer.nbytes / 2**30
+    buffer.release()
+    ok = pinned and unseen and right and locked == gib
+    return ("PASS" if ok else "FAIL",
+            f"a {gib} GiB shard: torch's pinned memory takes {by_torch / 2**30:.2f} GiB, the "
+            f"peer copy's buffer {locked:.2f} GiB (page-locked {pinned}, in {registered_s:.2f} "
+            f"s, outside torch's allocator {unseen}); GPU to it {gib / copied_s:.1f} GiB/s; "
+            f"values {'right' if right else 'wrong'}")
+
+
+def _pinned_bytes() -> int:
+    """Page-locked bytes torch's caching host allocator holds."""
+    import torch
+
+    return int(torch.cuda.host_memory_stats().get("allocated_bytes.current", 0))
+
+
 def _child_peer_loss(rank: int, world: int, port: int) -> tuple[str, str]:
     import torch
     import torch.distributed as dist
@@ -451,6 +495,7 @@ CHILDREN: dict[str, Callable[[int, int, int], tuple[str, str]]] = {
     "nccl_group": _child_nccl_group,
     "rng_redo": _child_rng_redo,
     "handover": _child_handover,
+    "peer_copy_memory": _child_peer_copy_memory,
     "peer_loss": _child_peer_loss,
     "hung_groups": _child_hung_groups,
     "batch_p2p": _child_batch_p2p,

@@ -11,9 +11,11 @@ of the other end ends it with an error. It runs in the communication backend's o
 :meth:`PeerCopy.settle` waits for it (the caller decides when: right away, before the next step
 begins, or at the latest at the next exchange or in the recovery after a crash).
 
-On a GPU the shard is copied into pinned host buffers on a stream of its own, and the copy is
-sent from there: no GPU memory is spent on it. The host memory is two shards per rank (the
-packed own shard and the copy of the previous rank's), :attr:`PeerCopy.nbytes`. What the copy
+On a GPU the shard is copied into page-locked host buffers on a stream of its own, and the copy
+is sent from there: no GPU memory is spent on it. The host memory is two shards per rank (the
+packed own shard and the copy of the previous rank's), :attr:`PeerCopy.nbytes`; each buffer is
+page-locked at exactly its size (:mod:`mover_plugin.host_memory`; torch's pinned memory would
+round it up to a power of two). What the copy
 adds to the training thread's time (packing, opening the ring's groups, waiting for an exchange
 to end) is summed in :attr:`PeerCopy.critical_s`.
 
@@ -36,6 +38,7 @@ from torch.distributed import PrefixStore, Store
 
 from mover_plugin.comm.process_group import MoverProcessGroup
 from mover_plugin.contract import peer_copy_prefix
+from mover_plugin.host_memory import PageLockedBuffer
 from mover_plugin.runtime.ledger import StepLedger
 
 logger = logging.getLogger(__name__)
@@ -103,6 +106,8 @@ class PeerCopy:
         """The number of completed iterations the copy belongs to (-1: none, or in flight)."""
         self._held: Optional[torch.Tensor] = None
         self._outgoing: Optional[torch.Tensor] = None
+        self._buffers: dict[str, PageLockedBuffer] = {}
+        """The page-locked buffers behind :attr:`_held` and :attr:`_outgoing`."""
         self._links: Optional[tuple[int, int, int, MoverProcessGroup, MoverProcessGroup]] = None
         """(generation, next, previous, the group sending to next, the one receiving)."""
         self._in_flight: Optional[_Exchange] = None
@@ -178,6 +183,8 @@ class PeerCopy:
         post("peer_copy", rank=rank, bytes=self.nbytes, critical_s=self.critical_s,
              exchanges=self.exchanges, time=time.time())
         self.close()
+        for buffer in self._buffers.values():
+            buffer.release()
 
     def close(self) -> None:
         """Drops the exchange groups (never blocks on a peer)."""
@@ -217,12 +224,20 @@ class PeerCopy:
                  receiving.broadcast([theirs], _SOURCE)]
         for work in works:
             work.wait()
-        pinned = torch.cuda.is_available()
         if self._outgoing is None or self._outgoing.numel() != numel:
-            self._outgoing = torch.empty(numel, dtype=dtype, pin_memory=pinned)
+            self._outgoing = self._buffer("outgoing", numel, dtype)
         if self._held is None or self._held.numel() != int(theirs.item()):
-            self._held = torch.empty(int(theirs.item()), dtype=dtype, pin_memory=pinned)
+            self._held = self._buffer("held", int(theirs.item()), dtype)
             self.held_of, self.held_version = -1, -1
+
+    def _buffer(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A new page-locked buffer in place of the one of that ``name`` (no exchange is in
+        flight: the caller settled it)."""
+        old = self._buffers.pop(name, None)
+        if old is not None:
+            old.release()
+        self._buffers[name] = PageLockedBuffer(numel, dtype)
+        return self._buffers[name].tensor
 
     def _pair(self, generation: int, source: int, destination: int,
               role: int) -> MoverProcessGroup:
