@@ -104,10 +104,10 @@ class PeerCopy:
         """The global rank whose shard the copy is."""
         self.held_version = -1
         """The number of completed iterations the copy belongs to (-1: none, or in flight)."""
-        self._held: Optional[torch.Tensor] = None
-        self._outgoing: Optional[torch.Tensor] = None
-        self._buffers: dict[str, PageLockedBuffer] = {}
-        """The page-locked buffers behind :attr:`_held` and :attr:`_outgoing`."""
+        self._held_buffer: Optional[PageLockedBuffer] = None
+        """The copy of the previous rank's shard."""
+        self._outgoing_buffer: Optional[PageLockedBuffer] = None
+        """This rank's own shard, packed to be sent."""
         self._links: Optional[tuple[int, int, int, MoverProcessGroup, MoverProcessGroup]] = None
         """(generation, next, previous, the group sending to next, the one receiving)."""
         self._in_flight: Optional[_Exchange] = None
@@ -122,8 +122,7 @@ class PeerCopy:
     @property
     def nbytes(self) -> int:
         """Host memory spent on the copy and on packing the own shard."""
-        return sum(t.numel() * t.element_size() for t in (self._held, self._outgoing)
-                   if t is not None)
+        return sum(buffer.nbytes for buffer in self._buffers())
 
     def held(self) -> list[torch.Tensor]:
         """The copy (one flat buffer), as sent to the joiner of the rank it belongs to."""
@@ -183,7 +182,7 @@ class PeerCopy:
         post("peer_copy", rank=rank, bytes=self.nbytes, critical_s=self.critical_s,
              exchanges=self.exchanges, time=time.time())
         self.close()
-        for buffer in self._buffers.values():
+        for buffer in self._buffers():
             buffer.release()
 
     def close(self) -> None:
@@ -194,6 +193,18 @@ class PeerCopy:
             self._links = None
 
     # -- internals ------------------------------------------------------------------------
+
+    @property
+    def _held(self) -> Optional[torch.Tensor]:
+        return None if self._held_buffer is None else self._held_buffer.tensor
+
+    @property
+    def _outgoing(self) -> Optional[torch.Tensor]:
+        return None if self._outgoing_buffer is None else self._outgoing_buffer.tensor
+
+    def _buffers(self) -> list[PageLockedBuffer]:
+        return [buffer for buffer in (self._held_buffer, self._outgoing_buffer)
+                if buffer is not None]
 
     @contextlib.contextmanager
     def _timed(self) -> Iterator[None]:
@@ -225,19 +236,10 @@ class PeerCopy:
         for work in works:
             work.wait()
         if self._outgoing is None or self._outgoing.numel() != numel:
-            self._outgoing = self._buffer("outgoing", numel, dtype)
+            self._outgoing_buffer = _replaced(self._outgoing_buffer, numel, dtype)
         if self._held is None or self._held.numel() != int(theirs.item()):
-            self._held = self._buffer("held", int(theirs.item()), dtype)
+            self._held_buffer = _replaced(self._held_buffer, int(theirs.item()), dtype)
             self.held_of, self.held_version = -1, -1
-
-    def _buffer(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A new page-locked buffer in place of the one of that ``name`` (no exchange is in
-        flight: the caller settled it)."""
-        old = self._buffers.pop(name, None)
-        if old is not None:
-            old.release()
-        self._buffers[name] = PageLockedBuffer(numel, dtype)
-        return self._buffers[name].tensor
 
     def _pair(self, generation: int, source: int, destination: int,
               role: int) -> MoverProcessGroup:
@@ -247,7 +249,8 @@ class PeerCopy:
                                  use_cuda=False, abortable=False)
 
     def _pack(self, shard: Sequence[torch.Tensor]) -> None:
-        assert self._outgoing is not None
+        outgoing = self._outgoing
+        assert outgoing is not None
         if shard and shard[0].is_cuda:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -255,14 +258,23 @@ class PeerCopy:
                 offset = 0
                 for tensor in shard:
                     size = tensor.numel()
-                    self._outgoing[offset:offset + size].copy_(tensor.reshape(-1),
-                                                               non_blocking=True)
+                    outgoing[offset:offset + size].copy_(tensor.reshape(-1),
+                                                         non_blocking=True)
                     offset += size
                 self._copied = torch.cuda.Event()
                 self._copied.record(side)
             return
         with torch.no_grad():
-            torch.cat([tensor.reshape(-1) for tensor in shard], out=self._outgoing)
+            torch.cat([tensor.reshape(-1) for tensor in shard], out=outgoing)
+
+
+def _replaced(old: Optional[PageLockedBuffer], numel: int,
+              dtype: torch.dtype) -> PageLockedBuffer:
+    """A new page-locked buffer in place of ``old``, which is unlocked (no exchange is in
+    flight: the caller settled it)."""
+    if old is not None:
+        old.release()
+    return PageLockedBuffer(numel, dtype)
 
 
 class _Exchange:
