@@ -170,6 +170,8 @@ def _report(summary: RunSummary, config: LaunchConfig) -> None:
         downtime = data["downtime_s"]
         rollback = ("" if item.rolled_back_to is None
                     else f"; rolled back to the checkpoint of step {item.rolled_back_to}")
+        if item.inexact is not None:
+            rollback += f"; inexact ({item.inexact})"
         logger.info("interruption: %s of rank %d at step %d (%s): %s; downtime %s%s",
                     item.kind, item.rank, item.step, item.how, phases,
                     "n/a" if downtime is None else f"{downtime:.3f} s", rollback)

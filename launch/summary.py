@@ -78,6 +78,9 @@ class Interruption:
     rolled_back_to: Optional[int] = None
     """The checkpoint's step every rank went back to, when the ranks could not continue in
     place (DeepSpeed, a lost optimizer shard that no live rank holds)."""
+    inexact: Optional[str] = None
+    """Why the training after this interruption may differ from the run without it (a rank
+    said so when it recovered); None when the recovery is exact."""
 
     def __post_init__(self) -> None:
         self.ranks = self.ranks or [self.rank]
@@ -113,6 +116,7 @@ class Interruption:
             "recovery": self.recovery,
             "plan": self.plan,
             "rolled_back_to": self.rolled_back_to,
+            "inexact": self.inexact,
             "times": {p: self.times[p] for p in PHASES if p in self.times},
             "phases_s": {
                 p: round(self.times[p] - origin, 6)

@@ -177,12 +177,16 @@ class InterruptionTiming(Unit):
         optimizer shard no live rank holds): each rolled back to the last checkpoint."""
         self._ctx.record("rolled_back", "switch", generation=event["generation"],
                          rank=event["rank"], when=event["time"], iteration=event["iteration"],
-                         reason=event["reason"], load_s=event["load_s"])
+                         reason=event["reason"], load_s=event["load_s"],
+                         inexact=event["inexact"])
         item = self._ctx.job.interruption
         if item is not None and item.rolled_back_to is None:
             item.rolled_back_to = event["iteration"]
             logger.info("rolled back to the checkpoint of step %d: %s", event["iteration"],
                         event["reason"])
+        if item is not None and event["inexact"] is not None and item.inexact is None:
+            item.inexact = f"rank {event['rank']}: {event['inexact']}"
+            logger.warning("the recovery is inexact: %s", item.inexact)
         return None
 
     def _on_caught_up(self, event: Event) -> Optional[int]:

@@ -37,14 +37,13 @@ from mover_plugin.deepspeed.engine_state import partitions_parameters, release_p
 from mover_plugin.deepspeed.micro_batches import (
     MicroBatch,
     replay_loss,
-    rng_state,
-    set_rng_state,
     stand_in,
     tap,
 )
 from mover_plugin.errors import LaunchError
 from mover_plugin.patches import apply_patches
 from mover_plugin.patches.local_collectives import GROUP as _CATCH_UP_LOCAL
+from mover_plugin.runtime.random_streams import RandomStreams
 
 if TYPE_CHECKING:
     from mover_plugin.deepspeed.drop_in import DropIn
@@ -102,7 +101,7 @@ class DataParallelCalls:
             self._prime_joiner(inputs, kwargs)
         if not self._micro:
             self._open()
-        record = MicroBatch(inputs, kwargs, rng_state())
+        record = MicroBatch(inputs, kwargs, RandomStreams.capture())
         self._micro.append(record)
         return self._attempt(record, _FORWARD, lambda: self._run_forward(record),
                              lambda _: self._run_forward(record))
@@ -170,13 +169,13 @@ class DataParallelCalls:
         """Runs one call of the iteration (``first``) until it completes in some generation;
         after a lost peer, the iteration's completed calls are redone and then the call
         (``again``, given the redone forward's output of its micro-batch)."""
-        entry = rng_state()
+        entry = RandomStreams.capture()  # the redo ends where this call began
         redo = False
         while True:
             try:
                 if redo:
                     output = self._redo_before(record)
-                    set_rng_state(entry)
+                    entry.restore()
                     result = again(output)
                 else:
                     result = first()
@@ -205,7 +204,7 @@ class DataParallelCalls:
         for micro in self._micro:
             for call in micro.done:
                 if call == _FORWARD:
-                    set_rng_state(micro.rng)
+                    micro.streams.restore()
                     output = self._run_forward(micro)
                 elif call == _BACKWARD:
                     self._backward(replay_loss(output, micro))
@@ -244,13 +243,17 @@ class DataParallelCalls:
         are not used), then every parameter is released and the trace the forward recorded
         forgotten; the parameters it registered with the modules that use them stay."""
         engine = self._engine
-        if not partitions_parameters(engine):
-            with torch.no_grad():
-                return self._forward(*inputs, **kwargs)
-        with torch.no_grad(), apply_patches("deepspeed-local-collectives"):
-            outputs = self._forward(*inputs, **kwargs)
-        release_parameters(engine)
-        return outputs
+        streams = RandomStreams.capture()  # its dropout draws nothing the script sees
+        try:
+            if not partitions_parameters(engine):
+                with torch.no_grad():
+                    return self._forward(*inputs, **kwargs)
+            with torch.no_grad(), apply_patches("deepspeed-local-collectives"):
+                outputs = self._forward(*inputs, **kwargs)
+            release_parameters(engine)
+            return outputs
+        finally:
+            streams.restore()
 
     def _catch_up_step(self) -> None:
         """A ``step`` of a micro-batch the job trained: the last of an iteration's brings the
@@ -260,7 +263,7 @@ class DataParallelCalls:
         if (not engine.managed_gradient_accumulation()
                 or self._catch_up_micro == engine.gradient_accumulation_steps()):
             self._catch_up_micro = 0
-            self._drop_in.behind -= 1
+            self._drop_in.caught_up_one()
 
     def _closes_iteration(self) -> bool:
         """Whether the ``step`` about to run applies the update: on the accumulation boundary,

@@ -265,8 +265,10 @@ class DropIn(DeepSpeedHooks):
         if self._local is not None:  # the state comes over the job's groups
             self._local.revert()
             self._local = None
-        self.iteration = resilience.first_iteration(started_at=started_at)
+        self.iteration = resilience.first_iteration(started_at=started_at, streams_now=False)
         self.behind = self.iteration - started_at
+        if self.behind == 0:
+            resilience.continue_streams()
         if resilience.runtime.joiner_of is not None and self.behind > 0:
             self._local = apply_patches(_CATCH_UP_LOCAL)
             self._catch_up_began = (self.behind, time.perf_counter())
@@ -290,13 +292,22 @@ class DropIn(DeepSpeedHooks):
         """A call the joiner's script makes for an iteration the job has trained: draws and
         drops the micro-batches its stage would have read."""
         engine = self._engine
-        self.behind -= 1
         if data_iter is not None:
             engine.set_dataiterator(data_iter)
         if engine.data_iterator is not None:
             for _ in range(engine.gradient_accumulation_steps()):
                 next(engine.data_iterator)
+        self.caught_up_one()
         return _nan()
+
+    def caught_up_one(self) -> None:
+        """The joiner's script ended a step the job had trained. At the last, the random-number
+        streams become those the replaced rank's last step left: the script draws from them
+        what that rank drew between its step and the next."""
+        self.behind -= 1
+        if self.behind == 0:
+            assert self.resilience is not None
+            self.resilience.continue_streams()
 
     def _replayable(self, data_iter: Any) -> Optional[ReplayableIterator]:
         """The iterator this call reads, wrapped to record (None on a stage that reads none)."""

@@ -10,7 +10,9 @@
 - :func:`module_tensors`: the rest of a rank's state, its module's parameters and buffers (at
   stage 3 its buffers and frozen parameters' partitions; :func:`refresh_parameter_partitions`
   casts the trained parameters' partitions from a received shard).
-- :func:`counters` / :func:`restore_counters`: the engine's step counters;
+- :func:`counters` / :func:`restore_counters`: the engine's step counters, and a
+  ``PipelineModule``'s count of forwards (with ``seed_layers`` its layers seed the random
+  streams from it before each forward, so a redo and a joiner need it to draw as before);
   :func:`loss_scale_state` / :func:`restore_loss_scale_state`: fp16's dynamic loss scale;
   :func:`hyperparameters` / :func:`set_hyperparameters`: the optimizer's parameter-group
   settings, which the learning-rate scheduler sets after each update.
@@ -33,6 +35,8 @@ import torch
 from mover_plugin.runtime.handover import module_state_tensors
 
 _COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")
+_FORWARDS = "micro_offset"
+"""A ``PipelineModule``'s count of forwards."""
 _ADAM_STATE = ("step", "exp_avg", "exp_avg_sq")
 
 
@@ -151,12 +155,15 @@ def restore_loss_scale_state(engine: Any, state: dict[str, Any]) -> None:
 
 
 def counters(engine: Any) -> dict[str, int]:
-    return {name: getattr(engine, name) for name in _COUNTERS}
+    values = {name: getattr(engine, name) for name in _COUNTERS}
+    if is_pipeline_engine(engine):
+        values[_FORWARDS] = engine.module.micro_offset
+    return values
 
 
 def restore_counters(engine: Any, values: dict[str, int]) -> None:
     for name, value in values.items():
-        setattr(engine, name, value)
+        setattr(engine.module if name == _FORWARDS else engine, name, value)
 
 
 def reset_interrupted_step(engine: Any) -> None:

@@ -7,7 +7,7 @@ interrupt the iteration in the middle of any micro-batch, after the script compu
 earlier micro-batches' losses from outputs the redo cannot ask it for again. What makes the
 redo possible without the script:
 
-- at each ``forward`` the micro-batch's inputs and the random-number state are kept
+- at each ``forward`` the micro-batch's inputs and the random-number streams are kept
   (:class:`MicroBatch`), so its forward can be run again identically;
 - an identity function on the outputs ``engine(batch)`` returns (:func:`tap`) keeps the
   gradient that reaches them during the script's ``engine.backward(loss)``, whatever the
@@ -30,24 +30,11 @@ import torch
 from torch.utils import _pytree as pytree
 
 from mover_plugin.errors import MoverError
+from mover_plugin.runtime.random_streams import RandomStreams
 
 
 class ReplayError(MoverError):
     """A micro-batch that cannot be redone (its output gradients were never seen)."""
-
-
-def rng_state() -> dict[str, Any]:
-    """The random-number state a forward draws from (CPU, and every GPU)."""
-    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["cpu"])
-    if "cuda" in state:
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 @dataclass
@@ -57,7 +44,7 @@ class MicroBatch:
 
     inputs: tuple[Any, ...]
     kwargs: dict[str, Any]
-    rng: dict[str, Any]
+    streams: RandomStreams
     output_grads: Optional[list[Optional[torch.Tensor]]] = None
     done: list[str] = field(default_factory=list)
     """The calls made for it that completed, in order: ``forward``, ``backward``, ``step``."""

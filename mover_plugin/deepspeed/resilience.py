@@ -32,12 +32,18 @@ knows the DeepSpeed side:
   :attr:`DeepSpeedResilience.peer_copy_bytes`).
 - **Planned migration**: the leaver sends its parameters and its own shard; the joiner's copy
   of its peer's shard comes with the next step's exchange.
+- **Random numbers.** A joiner continues with the random-number streams of the rank it
+  replaces (:mod:`mover_plugin.runtime.random_streams`), as they were after that rank's last
+  step: the leaver hands over its own, and with the peer copy each rank's travel with its
+  shard. So dropout and a script's draws continue as in the run without the interruption, for
+  ranks seeded alike or by rank. A rollback cannot be exact when the model draws random
+  numbers (DeepSpeed's checkpoints hold no random-number states): when a rank's streams
+  changed between steps, its ``rolled_back`` event says the recovery may be inexact, and the
+  run summary's interruption too (``inexact``).
 
 Limitations: pipeline engines (``PipelineModule``, ZeRO stage 0 or 1) and data-parallel
 engines without model parallelism (ZeRO stage 0 to 3, no offload), with an Adam-family
-optimizer; the model must not draw random numbers while training (no dropout) for a rollback
-to be exact, since DeepSpeed's checkpoints do not hold RNG states (the redo without rollback
-restores them); a standby imports what ``deepspeed.initialize`` would import on first use
+optimizer; a standby imports what ``deepspeed.initialize`` would import on first use
 and waits, or, under the drop-in with ``"standby_shadow_iterations"``, first runs its script in
 the sandbox (:mod:`mover_plugin.deepspeed.shadow_run`).
 """
@@ -46,12 +52,10 @@ from __future__ import annotations
 
 import importlib
 import logging
-import random
 import time
 import types
 from typing import Any, Callable, ClassVar, Optional
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -81,6 +85,7 @@ from mover_plugin.layout import ParallelLayout
 from mover_plugin.progress import ProgressReporter
 from mover_plugin.runtime.adapter import Continuation, Transfer
 from mover_plugin.runtime.peer_copy import PeerCopy, decide_continuation, shard_record
+from mover_plugin.runtime.random_streams import RandomStreams, empty_packed
 from mover_plugin.runtime.resilience import ResilienceRuntime
 
 logger = logging.getLogger(__name__)
@@ -119,6 +124,16 @@ class DeepSpeedResilience:
         self._peer_copy: Optional[PeerCopy] = None
         """This rank's side of the shard-copy ring of its data-parallel group (with
         ``"peer_copy": true``, once the engine is attached)."""
+        self._streams_after_step: Optional[RandomStreams] = None
+        """This rank's random-number streams as its last step left them."""
+        self._streams_moved = False
+        """Whether those streams changed from one step to the next: then a rollback to
+        DeepSpeed's checkpoint, which holds none, may draw other numbers."""
+        self._received_streams = empty_packed()
+        """A joiner receives the streams of the rank it replaces into this."""
+        self._joined_streams: Optional[RandomStreams] = None
+        """A joiner's streams, from the state it received until its first iteration begins
+        (:meth:`continue_streams`)."""
         self.runtime = ResilienceRuntime.connect(block.settings, self)
         self._layout = None if pipeline_parallel_size is None else ParallelLayout.for_world(
             self.runtime.world_size, 1, pipeline_parallel_size)
@@ -238,11 +253,17 @@ class DeepSpeedResilience:
 
         engine.train_batch = counted_train_batch
 
-    def first_iteration(self, started_at: Optional[int] = None) -> int:
+    def first_iteration(self, started_at: Optional[int] = None, *,
+                        streams_now: bool = True) -> int:
         """The iteration to start from: ``started_at`` if given, else the checkpoint's (or 0);
-        for a joiner, what the live ranks continue from."""
+        for a joiner, what the live ranks continue from, with the random-number streams of
+        the rank it replaces (unless ``streams_now`` is false: then the caller calls
+        :meth:`continue_streams` where its script is where that rank's step left it)."""
         if self.runtime.joiner_of is not None:
-            return self.runtime.join()
+            iteration = self.runtime.join()
+            if streams_now:
+                self.continue_streams()
+            return iteration
         if started_at is None:
             started_at = self._load() or 0
         return self.runtime.begin(started_at)
@@ -267,11 +288,17 @@ class DeepSpeedResilience:
     # -- peer copy ------------------------------------------------------------------------
 
     def after_step(self, iteration: int) -> None:
-        """Starts the exchange of this rank's shard as of ``iteration + 1`` completed
+        """Keeps this rank's random-number streams as the step left them, and starts the
+        exchange of its shard (and those streams) as of ``iteration + 1`` completed
         iterations; it runs on until :meth:`before_step`."""
+        streams, before = RandomStreams.capture(), self._streams_after_step
+        self._streams_moved = self._streams_moved or (before is not None
+                                                      and not streams.same_as(before))
+        self._streams_after_step = streams
         if self._peer_copy is not None:
             self._peer_copy.refresh(shard_tensors(self._engine), iteration + 1,
-                                    self.runtime.generation, self._ring())
+                                    self.runtime.generation, self._ring(),
+                                    side=streams.packed())
 
     def before_step(self) -> None:
         """Waits for the exchange the last step started (call before a step reports its
@@ -315,7 +342,10 @@ class DeepSpeedResilience:
     def _roll_back(self, why: str) -> Continuation:
         if self._peer_copy is not None:
             self._peer_copy.forget()
-        return self.runtime.roll_back(why, self._load)
+        inexact = ("the random-number streams changed between steps (dropout, augmentation, "
+                   "layers seeding them) and DeepSpeed's checkpoint holds none: the steps "
+                   "after the rollback may draw other numbers" if self._streams_moved else None)
+        return self.runtime.roll_back(why, self._load, inexact=inexact)
 
     # -- groups, snapshot and state (FrameworkAdapter) ------------------------------------
 
@@ -345,34 +375,39 @@ class DeepSpeedResilience:
         """DeepSpeed's groups go with the process group."""
 
     def capture_snapshot(self) -> dict[str, Any]:
-        snapshot = {"random": random.getstate(), "numpy": np.random.get_state(),
-                    "torch": torch.get_rng_state(), "counters": counters(self._engine),
-                    "loss_scale": loss_scale_state(self._engine)}
-        if torch.cuda.is_available():
-            # The current device's generator only: a joiner that restores it may own another
-            # device index than the rank it takes over.
-            snapshot["cuda"] = torch.cuda.get_rng_state()
-        return snapshot
+        return {"streams": RandomStreams.capture(), "counters": counters(self._engine),
+                "loss_scale": loss_scale_state(self._engine)}
 
     def restore_snapshot(self, snapshot: dict[str, Any]) -> None:
-        random.setstate(snapshot["random"])
-        np.random.set_state(snapshot["numpy"])
-        torch.set_rng_state(snapshot["torch"])
-        if "cuda" in snapshot:
-            torch.cuda.set_rng_state(snapshot["cuda"])
+        """A redone iteration starts from the streams it began with; a joiner receiving its
+        state (whose sender's streams are its own) from the streams of the rank it
+        replaces."""
+        streams = self._joined_streams or snapshot["streams"]
+        streams.restore()
         restore_counters(self._engine, snapshot["counters"])
         restore_loss_scale_state(self._engine, snapshot["loss_scale"])
 
+    def continue_streams(self) -> None:
+        """A joiner's first iteration begins: its streams are put back to those of the rank
+        it replaces (whatever its script drew while it caught up) and dropped."""
+        streams, self._joined_streams = self._joined_streams, None
+        if streams is not None:
+            streams.restore()
+
     def state_tensors(self, transfer: Transfer) -> list[torch.Tensor]:
-        """The stage's parameters, and: from the holder of a lost rank's shard copy, that copy;
-        otherwise (a leaver's hand-over, a joiner receiving) this rank's own shard, whose
-        optimizer state a joiner creates first."""
+        """The stage's parameters, its optimizer shard and the random-number streams after
+        the last step: from the holder of a lost rank's shard copy, that copy (with the lost
+        rank's streams); from a leaver, its own; at a joiner, its own shard (whose optimizer
+        state it creates first) and a buffer for the streams."""
         module = module_tensors(self._engine)
         if transfer is Transfer.COPY_SENT:
             assert self._peer_copy is not None
             return module + self._peer_copy.held()
         ensure_optimizer_state(self._engine)
-        return module + shard_tensors(self._engine)
+        if transfer is Transfer.HANDOVER_SENT:
+            streams = self._streams_after_step or RandomStreams.capture()
+            return module + shard_tensors(self._engine) + [streams.packed()]
+        return module + shard_tensors(self._engine) + [self._received_streams]
 
     def state_blob(self) -> dict[str, Any]:
         scheduler = self._engine.lr_scheduler
@@ -380,6 +415,7 @@ class DeepSpeedResilience:
                 "hyperparameters": hyperparameters(self._engine)}
 
     def load_state(self, state: dict[str, Any], transfer: Transfer) -> None:
+        self._joined_streams = RandomStreams.unpacked(self._received_streams)
         if state["scheduler"] is not None:
             self._engine.lr_scheduler.load_state_dict(state["scheduler"])
         # The scheduler sets the learning rate only after the next update.

@@ -11,6 +11,7 @@ a bug; leaving without teardown), ``settings`` (the resilience settings, their f
 checks: one source of truth for the Megatron flags and the DeepSpeed config block), ``control``
 (the worker's client of the controller: generations, plans, events), ``notices`` (the
 controller's notices, read from the agent's pipe), ``heartbeat``, ``handover`` (one rank's
-state sent to the process that takes it), ``rewire`` (cached group references rewritten) and
+state sent to the process that takes it), ``random_streams`` (a process's random-number streams,
+captured, restored and carried as bytes), ``rewire`` (cached group references rewritten) and
 ``preflight`` (the script side of the launcher's flag check).
 """

@@ -48,9 +48,11 @@ from mover_plugin.contract import GenerationPlan
 class Transfer(enum.Enum):
     """Which state travels to a joiner, from whom."""
 
-    HANDOVER = "handover"
-    """A leaver's own state to the joiner that takes its rank (a planned migration); the two
-    ends list the same tensors."""
+    HANDOVER_SENT = "handover sent"
+    """A leaver sends its own state to the joiner that takes its rank (a planned migration);
+    the two ends list the same tensors."""
+    HANDOVER_RECEIVED = "handover received"
+    """The joiner of a leaver receives that state."""
     COPY_SENT = "copy sent"
     """A survivor sends the copy it holds of a lost rank's state (its data-parallel twin's
     replica, or a peer copy of its shard)."""

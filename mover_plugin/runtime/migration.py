@@ -17,25 +17,49 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from datetime import timedelta
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 
 from mover_plugin.comm.delta import PreparedDelta, discard_delta, prepare_delta
 from mover_plugin.errors import LaunchError
 from mover_plugin.runtime.control import ControlClient
+from mover_plugin.runtime.faults import FaultInjector
+from mover_plugin.runtime.group_switch import GroupSwitcher
 from mover_plugin.runtime.handover import open_handover, send_state
-
-if TYPE_CHECKING:
-    from mover_plugin.runtime.resilience import ResilienceRuntime
+from mover_plugin.runtime.ledger import StepLedger
+from mover_plugin.runtime.state_transfer import StateTransfer
 
 logger = logging.getLogger(__name__)
+
+
+class MigrationHost(Protocol):
+    """What a migration needs of the process it runs in (the worker's
+    :class:`~mover_plugin.runtime.resilience.ResilienceRuntime`): its place, its connection to
+    the controller, its groups and state, and the two moves only the runtime makes."""
+
+    rank: int
+    generation: int
+    control: ControlClient
+    faults: FaultInjector
+    ledger: StepLedger
+    groups: GroupSwitcher
+    transfer: StateTransfer
+
+    def timeout(self) -> timedelta: ...
+
+    def leave(self, generation: int, delivered: bool) -> None:
+        """The leaver's exit once its state was handed over (never returns)."""
+
+    def advance_generation(self, generation: Optional[int] = None) -> None:
+        """Moves the process to ``generation``."""
 
 
 class MigrationParticipant:
     """One process's state in the migrations of the generation it is in."""
 
-    def __init__(self, runtime: "ResilienceRuntime") -> None:
+    def __init__(self, runtime: MigrationHost) -> None:
         self._runtime = runtime
         self.switch_requested = False
         """Set by the notice watcher when the controller asks for the planned switch."""

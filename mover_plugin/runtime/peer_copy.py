@@ -11,6 +11,10 @@ of the other end ends it with an error. It runs in the communication backend's o
 :meth:`PeerCopy.settle` waits for it (the caller decides when: right away, before the next step
 begins, or at the latest at the next exchange or in the recovery after a crash).
 
+A small *side record* may travel with the shard in the same buffer: the DeepSpeed adapter sends
+the rank's random-number streams as they were after the step
+(:mod:`mover_plugin.runtime.random_streams`), so that its joiner draws what it would have drawn.
+
 On a GPU the shard is copied into page-locked host buffers on a stream of its own, and the copy
 is sent from there: no GPU memory is spent on it. The host memory is two shards per rank (the
 packed own shard and the copy of the previous rank's), :attr:`PeerCopy.nbytes`; each buffer is
@@ -108,6 +112,9 @@ class PeerCopy:
         """The copy of the previous rank's shard."""
         self._outgoing_buffer: Optional[PageLockedBuffer] = None
         """This rank's own shard, packed to be sent."""
+        self._sizes = ((0, 0), (0, 0))
+        """(elements of the shard, bytes of the side record): this rank's, the previous
+        rank's."""
         self._links: Optional[tuple[int, int, int, MoverProcessGroup, MoverProcessGroup]] = None
         """(generation, next, previous, the group sending to next, the one receiving)."""
         self._in_flight: Optional[_Exchange] = None
@@ -125,22 +132,27 @@ class PeerCopy:
         return sum(buffer.nbytes for buffer in self._buffers())
 
     def held(self) -> list[torch.Tensor]:
-        """The copy (one flat buffer), as sent to the joiner of the rank it belongs to."""
-        assert self._held is not None, "no copy is held"
-        return [self._held]
+        """The copy, as sent to the joiner of the rank it belongs to: the shard (one flat
+        tensor), then its side record (bytes) if it came with one."""
+        held = self._held
+        assert held is not None, "no copy is held"
+        numel, side = self._sizes[1]
+        return [held[:numel], *([_side_bytes(held, numel, side)] if side else [])]
 
     def refresh(self, shard: Sequence[torch.Tensor], version: int, generation: int,
-                ring: tuple[int, int]) -> None:
-        """Starts the exchange of ``shard`` at ``version`` completed iterations with the
-        ring's ``(next, previous)`` ranks; returns without waiting for it."""
+                ring: tuple[int, int], side: Optional[torch.Tensor] = None) -> None:
+        """Starts the exchange of ``shard`` (and the byte tensor ``side``, the same size at
+        every step) at ``version`` completed iterations with the ring's ``(next, previous)``
+        ranks; returns without waiting for it."""
         self.settle()
         following, previous = ring
         if following == self._rank:
             return  # no data-parallel peer
         with self._timed():
-            self._connect(generation, following, previous, shard)
+            self._connect(generation, following, previous, shard,
+                          0 if side is None else side.numel())
             assert self._links is not None and self._outgoing is not None
-            self._pack(shard)
+            self._pack(shard, side)
             self.held_version = -1
             self._in_flight = _Exchange(self, version, previous)
             self.exchanges += 1
@@ -215,11 +227,12 @@ class PeerCopy:
             self.critical_s += time.perf_counter() - start
 
     def _connect(self, generation: int, following: int, previous: int,
-                 shard: Sequence[torch.Tensor]) -> None:
+                 shard: Sequence[torch.Tensor], side: int) -> None:
         """Opens the groups of this generation's ring (blocks until both neighbours open
-        theirs) and learns the size of the previous rank's shard."""
+        theirs) and learns the size of the previous rank's shard and side record."""
         if self._links is not None and self._links[:3] == (generation, following, previous):
-            return
+            return  # the sizes are the same at every step of a generation
+        mine = (sum(tensor.numel() for tensor in shard), side)
         self.close()
         # Every rank opens its two groups in one global order (by source, then destination),
         # so that no two neighbours wait for each other in opposite orders.
@@ -229,16 +242,18 @@ class PeerCopy:
         sending, receiving = opened[_SOURCE], opened[_DESTINATION]
         self._links = (generation, following, previous, sending, receiving)
         dtype = shard_dtype(shard)
-        numel = sum(tensor.numel() for tensor in shard)
-        theirs = torch.zeros(1, dtype=torch.int64)
-        works = [sending.broadcast([torch.tensor([numel], dtype=torch.int64)], _SOURCE),
-                 receiving.broadcast([theirs], _SOURCE)]
+        received = torch.zeros(2, dtype=torch.int64)
+        works = [sending.broadcast([torch.tensor(mine, dtype=torch.int64)], _SOURCE),
+                 receiving.broadcast([received], _SOURCE)]
         for work in works:
             work.wait()
+        theirs = (int(received[0]), int(received[1]))
+        self._sizes = (mine, theirs)
+        numel, held_numel = _buffer_numel(*mine, dtype), _buffer_numel(*theirs, dtype)
         if self._outgoing is None or self._outgoing.numel() != numel:
             self._outgoing_buffer = _replaced(self._outgoing_buffer, numel, dtype)
-        if self._held is None or self._held.numel() != int(theirs.item()):
-            self._held_buffer = _replaced(self._held_buffer, int(theirs.item()), dtype)
+        if self._held is None or self._held.numel() != held_numel:
+            self._held_buffer = _replaced(self._held_buffer, held_numel, dtype)
             self.held_of, self.held_version = -1, -1
 
     def _pair(self, generation: int, source: int, destination: int,
@@ -248,13 +263,17 @@ class PeerCopy:
                                  group_name=f"peer-copy-g{generation}-{source}-{destination}",
                                  use_cuda=False, abortable=False)
 
-    def _pack(self, shard: Sequence[torch.Tensor]) -> None:
+    def _pack(self, shard: Sequence[torch.Tensor], side: Optional[torch.Tensor]) -> None:
         outgoing = self._outgoing
         assert outgoing is not None
+        numel, side_bytes = self._sizes[0]
+        if side is not None:
+            _side_bytes(outgoing, numel, side_bytes).copy_(side)
+        outgoing = outgoing[:numel]
         if shard and shard[0].is_cuda:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side), torch.no_grad():
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream), torch.no_grad():
                 offset = 0
                 for tensor in shard:
                     size = tensor.numel()
@@ -262,10 +281,22 @@ class PeerCopy:
                                                          non_blocking=True)
                     offset += size
                 self._copied = torch.cuda.Event()
-                self._copied.record(side)
+                self._copied.record(stream)
             return
         with torch.no_grad():
             torch.cat([tensor.reshape(-1) for tensor in shard], out=outgoing)
+
+
+def _buffer_numel(numel: int, side_bytes: int, dtype: torch.dtype) -> int:
+    """Elements of a buffer of ``dtype`` that holds a shard of ``numel`` and, after it, a side
+    record of ``side_bytes``."""
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    return numel + -(-side_bytes // itemsize)
+
+
+def _side_bytes(buffer: torch.Tensor, numel: int, side_bytes: int) -> torch.Tensor:
+    """The side record's bytes in ``buffer``, after its shard of ``numel`` elements."""
+    return buffer[numel:].view(torch.uint8)[:side_bytes]
 
 
 def _replaced(old: Optional[PageLockedBuffer], numel: int,

@@ -256,7 +256,7 @@ class ResilienceRuntime:
         the next generation (another rank lost meanwhile) is joined again in that one."""
         joined = self._joined.kind if self._joined is not None else PlanKind.CRASH
         if joined is PlanKind.MIGRATION:
-            self._receive_or_exit(Transfer.HANDOVER)
+            self._receive_or_exit(Transfer.HANDOVER_RECEIVED)
             return self.ledger.applied
         if joined is PlanKind.GROW:
             assert self._joined is not None
@@ -478,11 +478,13 @@ class ResilienceRuntime:
             migration.agree()
             self.faults.at(f"update={self.rank}", self.rank)
 
-    def roll_back(self, why: str, load: Callable[[], Optional[int]]) -> Continuation:
+    def roll_back(self, why: str, load: Callable[[], Optional[int]], *,
+                  inexact: Optional[str] = None) -> Continuation:
         """Every rank's part of a rollback in place (the process is kept): ``load()`` puts the
         last checkpoint back into the model and optimizer and returns its iteration, or None
         when there is none, and then this process exits with status 1 (the launcher sees it at
-        once and falls back to restarting the job)."""
+        once and falls back to restarting the job). ``inexact``: why the training after it
+        may differ from the run without the interruption (the event carries it)."""
         started = time.time()
         device_ready_or_exit(self.rank, "the rollback")
         iteration = load()
@@ -493,9 +495,9 @@ class ResilienceRuntime:
             exit_now(status=1)
         self.ledger.applied = iteration
         self.control.post("rolled_back", rank=self.rank, iteration=iteration, reason=why,
-                          load_s=time.time() - started, time=time.time())
-        logger.warning("rank %d rolled back to the checkpoint of iteration %d: %s", self.rank,
-                       iteration, why)
+                          load_s=time.time() - started, inexact=inexact, time=time.time())
+        logger.warning("rank %d rolled back to the checkpoint of iteration %d: %s%s", self.rank,
+                       iteration, why, "" if inexact is None else f"; inexact: {inexact}")
         return Continuation(iteration, rolled_back=True)
 
     def _leave_step(self, error: BaseException) -> None:

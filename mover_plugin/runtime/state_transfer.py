@@ -30,7 +30,7 @@ class StateTransfer:
 
     def outgoing(self) -> tuple[list[torch.Tensor], dict[str, Any]]:
         """What a leaver hands its joiner at the end of the iteration it just completed."""
-        return self._adapter.state_tensors(Transfer.HANDOVER), self._blob(self._ledger.applied)
+        return self._adapter.state_tensors(Transfer.HANDOVER_SENT), self._blob(self._ledger.applied)
 
     def send(self, generation: int, joiner: int, iteration: int) -> None:
         """Sends rank ``joiner`` of ``generation`` this rank's copy of its state, as it is

@@ -4,7 +4,10 @@ data-parallel one (tests/support/scripts/ds_dp_train.py, DP4, ZeRO-2 and ZeRO-3,
 ``backward``/``step`` with two accumulation steps). The CPU patches come from the launch path,
 and the ``"resilience"`` block alone gives each real SIGKILL recovery and a real migration,
 each ending with the failure-free PARAMS_DIGEST (at ZeRO-3 the script gathers the parameters
-for its digest, so it covers every rank's partitions)."""
+for its digest, so it covers every rank's partitions). The models have dropout and the
+data-parallel scripts shuffle their samplers and draw from Python's and NumPy's streams, seeded
+by rank (ZeRO-2) or alike (ZeRO-3): a joiner draws what the rank it replaces would have
+drawn."""
 
 import json
 import re
@@ -26,6 +29,11 @@ ZERO_3_DEFAULTS = {**CONFIG, "zero_optimization": {"stage": 3}}
 every rank (the same training, so the same reference)."""
 SHADOW = 2
 """Iterations a warmed standby runs its script in the sandbox."""
+RANDOM = ("--dropout", "0.1", "--augment", "--shuffle")
+"""A data-parallel script's randomness, every rank seeded alike."""
+BY_RANK = (*RANDOM, "--seed-by-rank")
+"""The same seeded with ``1234 + rank``."""
+DROPOUT = ("--dropout", "0.1")
 STEPS = 12
 """Long enough for a migration requested at step 3 (its joiner prepares for a few steps) and a
 SIGKILL at step 6 to both happen before the script ends."""
@@ -58,17 +66,26 @@ def failure_free(tmp_path_factory, name, **job):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    return failure_free(tmp_path_factory, "reference")
+    return failure_free(tmp_path_factory, "reference", script_flags=DROPOUT)
 
 
 @pytest.fixture(scope="module")
 def data_parallel_reference(tmp_path_factory):
-    return failure_free(tmp_path_factory, "dp-reference", script=DATA_PARALLEL, config=ZERO_2)
+    return failure_free(tmp_path_factory, "dp-reference", script=DATA_PARALLEL, config=ZERO_2,
+                        script_flags=BY_RANK)
 
 
 @pytest.fixture(scope="module")
 def zero_3_reference(tmp_path_factory):
     return failure_free(tmp_path_factory, "zero-3-reference", script=DATA_PARALLEL,
+                        config=ZERO_3, script_flags=RANDOM)
+
+
+@pytest.fixture(scope="module")
+def zero_3_checkpoint_reference(tmp_path_factory):
+    """Without dropout: a restart from DeepSpeed's checkpoint cannot continue its random
+    streams."""
+    return failure_free(tmp_path_factory, "zero-3-checkpoint-reference", script=DATA_PARALLEL,
                         config=ZERO_3)
 
 
@@ -90,7 +107,7 @@ def test_a_migration_and_a_sigkill_continue_in_place_with_the_failure_free_resul
     the limits in docs/deepspeed.md.)"""
     block = {"peer_copy": True, "standbys": 2, "standby_shadow_iterations": SHADOW}
     result, summary, events = resilient_job(tmp_path, block, "--inject-migration", "3:3",
-                                            "--inject-failure", "0:6")
+                                            "--inject-failure", "0:6", script_flags=DROPOUT)
     check_warmed_standbys(events, shadow_rank=1)  # stage 0 of replica 1 (PP2·DP2)
     assert digest(result) == digest(reference)
     assert trained_losses(result) == trained_losses(reference)
@@ -121,7 +138,7 @@ def test_a_data_parallel_script_recovers_a_sigkill_inside_an_iteration_and_a_mig
     script leaves torch.distributed to ``deepspeed.initialize`` here (no
     ``deepspeed.init_distributed`` of its own): the runtime starts in the call that makes."""
     check_migration_and_sigkill(tmp_path, ZERO_2, data_parallel_reference,
-                                script_flags=("--no-init-distributed",))
+                                script_flags=("--no-init-distributed", *BY_RANK))
 
 
 @pytest.mark.parametrize("config, leaver, killed, shadow", [(ZERO_3, 3, 0, SHADOW),
@@ -137,7 +154,8 @@ def test_zero_3_recovers_a_sigkill_inside_an_iteration_and_a_migration(
     parameters. In the first job the standbys warm up in the sandbox first: a ZeRO-3 engine
     built there, as rank 3, must leave nothing behind that the real one (ZeRO-3 numbers its
     modules and parameters process-wide) would trip on."""
-    check_migration_and_sigkill(tmp_path, config, zero_3_reference, leaver, killed, shadow)
+    check_migration_and_sigkill(tmp_path, config, zero_3_reference, leaver, killed, shadow,
+                                script_flags=RANDOM)
 
 
 def check_migration_and_sigkill(tmp_path, config, reference, leaver=3, killed=0, shadow=0,
@@ -199,7 +217,8 @@ def test_a_rank_lost_at_the_commit_of_a_step_is_recovered_by_redoing_every_micro
     their records (the first one's step too), then the step itself."""
     result, summary, events = resilient_job(tmp_path, {"peer_copy": True, "standbys": 2},
                                             "--inject-migration", "3:3:commit=1",
-                                            script=DATA_PARALLEL, config=ZERO_2)
+                                            script=DATA_PARALLEL, config=ZERO_2,
+                                            script_flags=BY_RANK)
     assert digest(result) == digest(data_parallel_reference)
     assert trained_losses(result) == trained_losses(data_parallel_reference)
     failures = [(i["rank"], i["recovery"]) for i in summary["interruptions"]
@@ -212,7 +231,7 @@ def test_a_rank_lost_at_the_commit_of_a_step_is_recovered_by_redoing_every_micro
 
 
 def test_without_a_peer_copy_the_job_restarts_from_the_scripts_checkpoint(
-        tmp_path, zero_3_reference):
+        tmp_path, zero_3_checkpoint_reference):
     """ZeRO-3 loses rank 1's partitions (optimizer and parameters) with it: the script's loop
     cannot go back in place, so the job restarts and the script resumes from its own
     checkpoint of step 4."""
@@ -221,8 +240,8 @@ def test_without_a_peer_copy_the_job_restarts_from_the_scripts_checkpoint(
         tmp_path, {"standbys": 1}, "--inject-failure", "1:6", script=DATA_PARALLEL,
         config=ZERO_3,
         script_flags=["--save", checkpoints, "--load", checkpoints, "--save-interval", "2"])
-    assert digest(result) == digest(zero_3_reference)
-    assert trained_losses(result) == trained_losses(zero_3_reference)
+    assert digest(result) == digest(zero_3_checkpoint_reference)
+    assert trained_losses(result) == trained_losses(zero_3_checkpoint_reference)
     assert summary["restarts"] == 1
     assert "an unmodified script's loop cannot go back to a checkpoint in place" in result.output
     assert not [e for e in events if e["event"] == "rolled_back"]

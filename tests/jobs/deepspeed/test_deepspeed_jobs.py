@@ -83,6 +83,15 @@ def test_without_a_peer_copy_every_rank_rolls_back_to_the_checkpoint(tmp_path, r
     assert all("peer_copy is off" in e["reason"] for e in rolled.values())
     (interruption,) = summary["interruptions"]
     assert interruption["rolled_back_to"] == 4 and summary["restarts"] == 0
+    # The example's PipelineModule seeds the random-number streams before each layer from its
+    # count of forwards, which the checkpoint does not hold: the survivors' streams moved from
+    # step to step, so they report the rollback as possibly inexact (here it is exact: the
+    # model has no dropout); the joiner had trained no step.
+    inexact = {rank: e["inexact"] for rank, e in rolled.items()}
+    assert inexact[1] is None
+    assert all("random-number streams changed between steps" in inexact[rank]
+               for rank in (0, 2, 3))
+    assert "random-number streams changed between steps" in interruption["inexact"]
 
 
 def test_a_bad_resilience_block_stops_mover_launch_before_any_process(tmp_path):

@@ -4,13 +4,20 @@
 ``deepspeed.init_distributed`` (unless ``--no-init-distributed``: then ``deepspeed.initialize``
 makes the call), a small next-token model, ``deepspeed.initialize`` with the
 config named by ``--deepspeed_config`` (any ZeRO stage), a ``DataLoader`` over this rank's share
-of a fixed dataset (``DistributedSampler``, no shuffling), and per step
+of a fixed dataset (``DistributedSampler``; with ``--shuffle`` shuffled, ``set_epoch`` every
+epoch), and per step
 ``gradient_accumulation_steps`` times ``engine(tokens)``, the loss computed by the script from
 the logits, ``engine.backward(loss)`` and ``engine.step()``; with ``--save``/``--load``,
 DeepSpeed's checkpoints, resuming at the step the checkpoint holds. Rank 0 prints
 ``step N/M | loss L`` per step (its micro-batches' mean loss); at the end ``PARAMS_DIGEST
 <hex>``: a SHA-256 of every parameter as rank 0 sees it (gathered at ZeRO stage 3), so equal for
 two runs only if they ended bit-identical.
+
+The randomness users' scripts have: ``--dropout P`` in every block (torch's CPU generator, the
+GPU's with CUDA); ``--augment`` shifts each micro-batch's token ids (and labels) by an offset
+drawn from Python's ``random`` and one from NumPy's global state, between the calls;
+``--seed-by-rank`` seeds all three with ``1234 + rank`` instead of 1234 on every rank (the rank from
+torch.distributed, or before ``deepspeed.initialize`` from ``RANK``).
 """
 
 from __future__ import annotations
@@ -19,8 +26,10 @@ import argparse
 import contextlib
 import hashlib
 import os
+import random
 
 import deepspeed
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -39,14 +48,18 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--local_rank", type=int, default=-1)
     parser.add_argument("--no-init-distributed", action="store_true",
                         help="leave torch.distributed to deepspeed.initialize")
+    parser.add_argument("--dropout", type=float, default=0.0)
+    parser.add_argument("--augment", action="store_true")
+    parser.add_argument("--shuffle", action="store_true")
+    parser.add_argument("--seed-by-rank", action="store_true")
     return deepspeed.add_config_arguments(parser).parse_args()
 
 
 class NextTokenModel(nn.Module):
-    def __init__(self, layers: int) -> None:
+    def __init__(self, layers: int, dropout: float) -> None:
         super().__init__()
         self.embedding = nn.Embedding(VOCAB, HIDDEN)
-        self.blocks = nn.ModuleList(Block() for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(dropout) for _ in range(layers))
         self.output = nn.Linear(HIDDEN, VOCAB)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -60,8 +73,8 @@ def main() -> None:
     args = parse_args()
     if not args.no_init_distributed:
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
-    torch.manual_seed(1234)
-    model = NextTokenModel(args.layers)
+    seed(1234 + (rank() if args.seed_by_rank else 0))
+    model = NextTokenModel(args.layers, args.dropout)
     engine, _, _, _ = deepspeed.initialize(args=args, model=model,
                                            model_parameters=model.parameters())
     start = 0
@@ -69,7 +82,7 @@ def main() -> None:
         engine.load_checkpoint(args.load)
         start = engine.global_steps
     accumulation = engine.gradient_accumulation_steps()
-    batches = repeat(data_loader(engine))
+    batches = repeat(data_loader(engine, args.shuffle), args.augment)
     for _ in range(start * accumulation):
         next(batches)  # resume where the checkpoint's step left the data
     for step in range(start, args.steps):
@@ -88,16 +101,33 @@ def main() -> None:
     dist.destroy_process_group()
 
 
-def data_loader(engine) -> DataLoader:
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+
+
+def seed(value: int) -> None:
+    random.seed(value)
+    np.random.seed(value)
+    torch.manual_seed(value)
+
+
+def data_loader(engine, shuffle: bool) -> DataLoader:
     sampler = DistributedSampler(dataset(), num_replicas=dist.get_world_size(),
-                                 rank=dist.get_rank(), shuffle=False)
+                                 rank=dist.get_rank(), shuffle=shuffle, seed=1234)
     return DataLoader(sampler.dataset, batch_size=engine.train_micro_batch_size_per_gpu(),
                       sampler=sampler, drop_last=True)
 
 
-def repeat(loader: DataLoader):
+def repeat(loader: DataLoader, augment: bool):
+    epoch = 0
     while True:
-        yield from loader
+        loader.sampler.set_epoch(epoch)
+        for tokens, labels in loader:
+            if augment:
+                shift = random.randrange(VOCAB) + int(np.random.randint(VOCAB))
+                tokens, labels = (tokens + shift) % VOCAB, (labels + shift) % VOCAB
+            yield tokens, labels
+        epoch += 1
 
 
 def report_digest(engine) -> None:

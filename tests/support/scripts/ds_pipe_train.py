@@ -5,10 +5,11 @@
 named by ``--deepspeed_config``, a ``DataLoader`` over this rank's share of a fixed dataset
 (``DistributedSampler`` over the data-parallel ranks, no shuffling; with ``--engine-loader`` the
 engine's own loader, which reads it in the same order) and ``engine.train_batch`` once per
-step; with ``--save``/``--load``, DeepSpeed's checkpoints, resuming at the step the checkpoint
-holds. The last rank prints ``step N/M | loss L`` per step; at the end rank 0 prints
-``PARAMS_DIGEST <hex>``: a SHA-256 of every parameter, stage after stage, taken on the first
-data-parallel rank of each stage, so equal for two runs only if they ended bit-identical.
+step (``--dropout P`` in every block); with ``--save``/``--load``, DeepSpeed's checkpoints,
+resuming at the step the checkpoint holds. The last rank prints ``step N/M | loss L`` per step;
+at the end rank 0 prints ``PARAMS_DIGEST <hex>``: a SHA-256 of every parameter, stage after
+stage, taken on the first data-parallel rank of each stage, so equal for two runs only if they
+ended bit-identical.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ def parse_args() -> argparse.Namespace:
                         help="worker processes of the script's own DataLoader")
     parser.add_argument("--spawn-workers", action="store_true",
                         help="start the loader's workers with 'spawn' instead of 'fork'")
+    parser.add_argument("--dropout", type=float, default=0.0)
     parser.add_argument("--local_rank", type=int, default=-1)
     return deepspeed.add_config_arguments(parser).parse_args()
 
@@ -68,8 +70,8 @@ class Head(nn.Module):
 def main() -> None:
     args = parse_args()
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
-    layers = [LayerSpec(Embedding), *[LayerSpec(Block) for _ in range(args.layers)],
-              LayerSpec(Head)]
+    blocks = [LayerSpec(Block, args.dropout) for _ in range(args.layers)]
+    layers = [LayerSpec(Embedding), *blocks, LayerSpec(Head)]
     model = PipelineModule(layers=layers, num_stages=args.stages, loss_fn=next_token_loss,
                            partition_method="uniform", seed_layers=True, base_seed=1234,
                            activation_checkpoint_interval=0)

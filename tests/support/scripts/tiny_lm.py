@@ -11,11 +11,11 @@ VOCAB, HIDDEN, SEQ, SAMPLES = 64, 32, 16, 512
 
 
 class Block(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, dropout: float = 0.0) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(HIDDEN)
         self.mlp = nn.Sequential(nn.Linear(HIDDEN, 2 * HIDDEN), nn.GELU(),
-                                 nn.Linear(2 * HIDDEN, HIDDEN))
+                                 nn.Linear(2 * HIDDEN, HIDDEN), nn.Dropout(dropout))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden + self.mlp(self.norm(hidden))

@@ -9,11 +9,10 @@ from mover_plugin.deepspeed.micro_batches import (
     MicroBatch,
     ReplayError,
     replay_loss,
-    rng_state,
-    set_rng_state,
     stand_in,
     tap,
 )
+from mover_plugin.runtime.random_streams import RandomStreams
 
 
 def model_and_inputs():
@@ -40,7 +39,7 @@ def forward(model, inputs):
 
 def test_a_replayed_backward_gives_the_parameters_the_original_gradients_bit_for_bit():
     model, inputs = model_and_inputs()
-    record = MicroBatch((inputs,), {}, rng_state())
+    record = MicroBatch((inputs,), {}, RandomStreams.capture())
     outputs = tap(forward(model, inputs), record)
     assert outputs["name"] == "x" and torch.equal(outputs["parts"][1], torch.arange(3))
     scripts_loss(outputs).backward()
@@ -49,14 +48,14 @@ def test_a_replayed_backward_gives_the_parameters_the_original_gradients_bit_for
 
     model.zero_grad(set_to_none=True)
     torch.randn(5)  # the random state moved on since
-    set_rng_state(record.rng)  # the dropout mask is drawn again alike
+    record.streams.restore()  # the dropout mask is drawn again alike
     replay_loss(forward(model, inputs), record).backward()
     assert all(torch.equal(a, b) for a, b in zip(original, gradients(model)))
 
 
 def test_a_micro_batch_whose_outputs_saw_no_gradient_cannot_be_replayed():
     model, inputs = model_and_inputs()
-    record = MicroBatch((inputs,), {}, rng_state())
+    record = MicroBatch((inputs,), {}, RandomStreams.capture())
     tap(forward(model, inputs), record)  # the backward never came
     with pytest.raises(ReplayError, match="received no gradient"):
         replay_loss(forward(model, inputs), record)

@@ -71,6 +71,29 @@ def test_each_rank_keeps_the_previous_ranks_shard_of_its_own_size(stores):
         copy.close()
 
 
+def test_a_side_record_travels_after_the_shard_in_the_same_buffer(stores):
+    """Bytes of a size that is no multiple of the shard's element size: the copy holds the
+    shard, then exactly the side record, and both change at the next exchange."""
+    shards = {0: [torch.arange(6.0)], 1: [torch.arange(3.0) + 10]}
+    sides = {0: torch.arange(7, dtype=torch.uint8), 1: torch.arange(7, dtype=torch.uint8) + 100}
+    copies = {rank: PeerCopy(stores[rank], rank, TIMEOUT) for rank in shards}
+    for version in (1, 2):
+        in_threads(*(lambda r=rank: copies[r].refresh(shards[r], version, 0, (1 - r, 1 - r),
+                                                      side=sides[r]) for rank in shards))
+        for rank, copy in copies.items():
+            copy.settle()
+            shard, side = copy.held()
+            assert torch.equal(shard, shards[1 - rank][0])
+            assert side.dtype == torch.uint8 and torch.equal(side, sides[1 - rank])
+        for rank in shards:
+            shards[rank][0].mul_(-1)
+            sides[rank].add_(1)
+    # 2 bytes of padding round each 7-byte record up to two float32 elements.
+    assert copies[0].nbytes == 4 * (6 + 2) + 4 * (3 + 2)
+    for copy in copies.values():
+        copy.close()
+
+
 def test_a_copy_in_flight_when_its_sender_goes_is_marked_missing(stores):
     shards = {0: [torch.arange(6.0)], 1: [torch.arange(6.0) + 100]}
     copies = {rank: PeerCopy(stores[rank], rank, TIMEOUT) for rank in shards}

@@ -1,0 +1,111 @@
+"""A process's global random-number streams, captured, restored, and carried as bytes.
+
+Dropout, data augmentation and samplers without a generator of their own draw from four global
+streams: Python's ``random``, NumPy's global state, torch's CPU generator and, with CUDA, the
+current GPU's default generator. :class:`RandomStreams` holds all four. A redone iteration
+starts from the streams captured when it began; a joiner continues from the streams of the rank
+it replaces, which a live process carries for it: a leaver hands over its own, and with the peer
+copy each rank's streams travel with its optimizer shard after every step
+(:mod:`mover_plugin.runtime.peer_copy`). Only the current GPU's generator is kept: the process
+that restores it may own another device index than the one that captured it.
+
+What cannot be carried is a generator object a script makes for itself
+(``torch.Generator()``, ``np.random.default_rng()``): a sampler seeded with ``seed + epoch``
+draws the same again, one that keeps drawing from its own generator does not.
+"""
+
+from __future__ import annotations
+
+import pickle
+import random
+import struct
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from mover_plugin.errors import MoverError
+
+PACKED_BYTES = 16384
+"""Size of :meth:`RandomStreams.packed`: the four streams take about 12 KiB."""
+
+_LENGTH = struct.Struct("<I")
+
+
+class StreamsError(MoverError, ValueError):
+    """Bytes that do not hold random-number streams."""
+
+
+@dataclass(frozen=True)
+class RandomStreams:
+    """The global random-number streams of a process (module docstring)."""
+
+    python: tuple[Any, ...]
+    numpy: tuple[Any, ...]
+    torch_cpu: torch.Tensor
+    cuda: Optional[torch.Tensor]
+    """The current GPU's default generator; None without CUDA."""
+
+    @classmethod
+    def capture(cls) -> "RandomStreams":
+        cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+        return cls(random.getstate(), np.random.get_state(), torch.get_rng_state(), cuda)
+
+    def restore(self) -> None:
+        """Puts every stream back to where it was captured (this object stays unchanged: a
+        snapshot may be restored again)."""
+        random.setstate(self.python)
+        np.random.set_state(self.numpy)
+        torch.set_rng_state(self.torch_cpu)
+        if self.cuda is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(self.cuda)
+
+    def same_as(self, other: "RandomStreams") -> bool:
+        """Whether both hold the same state of every stream."""
+        name, keys, *rest = self.numpy
+        other_name, other_keys, *other_rest = other.numpy
+        return (self.python == other.python and name == other_name
+                and np.array_equal(keys, other_keys) and rest == other_rest
+                and torch.equal(self.torch_cpu, other.torch_cpu)
+                and _same_optional(self.cuda, other.cuda))
+
+    def packed(self) -> torch.Tensor:
+        """The streams as a byte tensor of :data:`PACKED_BYTES` (a fixed size, so that a peer
+        can receive them into a buffer made in advance)."""
+        data = pickle.dumps((self.python, self.numpy, self.torch_cpu.numpy().tobytes(),
+                             None if self.cuda is None else self.cuda.cpu().numpy().tobytes()))
+        if _LENGTH.size + len(data) > PACKED_BYTES:
+            raise StreamsError(f"random-number streams of {len(data)} bytes do not fit in "
+                               f"{PACKED_BYTES}")
+        packed = torch.zeros(PACKED_BYTES, dtype=torch.uint8)
+        packed[:_LENGTH.size + len(data)] = torch.frombuffer(
+            bytearray(_LENGTH.pack(len(data)) + data), dtype=torch.uint8)
+        return packed
+
+    @classmethod
+    def unpacked(cls, packed: torch.Tensor) -> "RandomStreams":
+        """What :meth:`packed` made; :class:`StreamsError` for a buffer that holds none (all
+        zeros: nothing was received into it)."""
+        raw = packed.cpu().numpy().tobytes()
+        (length,) = _LENGTH.unpack_from(raw)
+        if length == 0 or _LENGTH.size + length > len(raw):
+            raise StreamsError("the buffer holds no random-number streams")
+        python, numpy_state, cpu, cuda = pickle.loads(raw[_LENGTH.size:_LENGTH.size + length])
+        return cls(python, numpy_state, _bytes_tensor(cpu),
+                   None if cuda is None else _bytes_tensor(cuda))
+
+
+def empty_packed() -> torch.Tensor:
+    """A buffer to receive :meth:`RandomStreams.packed` into."""
+    return torch.zeros(PACKED_BYTES, dtype=torch.uint8)
+
+
+def _same_optional(one: Optional[torch.Tensor], other: Optional[torch.Tensor]) -> bool:
+    if one is None or other is None:
+        return one is other
+    return torch.equal(one, other)
+
+
+def _bytes_tensor(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
