@@ -131,7 +131,8 @@ def _read_event_log(path: Path) -> list[dict[str, Any]]:
 
 
 def interruption_table(run: Run) -> str:
-    """One line per interruption, and a line with the run's totals."""
+    """One line per interruption (and below it, its rollback and why it was inexact, if so),
+    and a line with the run's totals."""
     header = f"{'#':>2}  {'kind':<9} {'rank':>5} {'step':>5}  {'how':<16} {'recovery':<8} " \
              f"{'gen':>3}  {'downtime':>9}  phases (s after the failure or request)"
     lines = [header, "-" * len(header)]
@@ -143,6 +144,10 @@ def interruption_table(run: Run) -> str:
         lines.append(f"{number:>2}  {item['kind']:<9} {_ranks(item):>5} {item['step']:>5}  "
                      f"{item['how'][:16]:<16} {item['recovery']:<8} {item['generation']:>3}  "
                      f"{_seconds(downtime):>9}  {phases}")
+        if item.get("rolled_back_to") is not None:
+            lines.append(f"    rolled back to the checkpoint of step {item['rolled_back_to']}")
+        if item.get("inexact"):
+            lines.append(f"    inexact: {item['inexact']}")
     summary = run.summary
     lines.append(f"{len(summary['interruptions'])} interruption(s), downtime "
                  f"{_seconds(summary.get('total_downtime_s'))} in all; "

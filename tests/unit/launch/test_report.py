@@ -65,6 +65,17 @@ def test_the_table_has_one_row_per_interruption_and_the_totals(tmp_path):
                         "0 restart(s), exit code 0")
 
 
+def test_a_rollback_and_an_inexact_recovery_are_told_below_their_row(tmp_path):
+    rolled_back = {**FAILURE, "rolled_back_to": 10,
+                   "inexact": "rank 0: the random-number streams changed between steps"}
+    table = interruption_table(load_run([str(write_run(tmp_path, (MIGRATION, rolled_back)))]))
+    lines = table.splitlines()
+    assert lines[3].split()[:2] == ["2", "failure"]
+    assert lines[4:6] == ["    rolled back to the checkpoint of step 10",
+                          "    inexact: rank 0: the random-number streams changed between steps"]
+    assert "inexact" not in "\n".join(lines[:4])
+
+
 def test_the_run_gives_steps_the_highest_generation_and_the_pool(tmp_path):
     run = load_run([str(write_run(tmp_path))])
     assert [s[1] for s in run.steps()] == [1, 2, 3, 4, 5]
