@@ -103,7 +103,8 @@ class DataParallelCalls:
             self._open()
         record = MicroBatch(inputs, kwargs, RandomStreams.capture())
         self._micro.append(record)
-        return self._attempt(record, _FORWARD, lambda: self._run_forward(record),
+        return self._attempt(record, _FORWARD, record.streams,
+                             lambda: self._run_forward(record),
                              lambda _: self._run_forward(record))
 
     def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -120,8 +121,8 @@ class DataParallelCalls:
             divide = kwargs.get("scale_wrt_gas", args[1] if len(args) > 1 else True)
             return loss / self._engine.gradient_accumulation_steps() if divide else loss
 
-        return self._attempt(record, _BACKWARD, lambda: self._backward(loss, *args, **kwargs),
-                             again)
+        return self._attempt(record, _BACKWARD, RandomStreams.capture(),
+                             lambda: self._backward(loss, *args, **kwargs), again)
 
     def step(self, *args: Any, **kwargs: Any) -> Any:
         if self._drop_in.catching_up:
@@ -137,7 +138,7 @@ class DataParallelCalls:
                 self._runtime.ledger.count_running_iteration()
             return result
 
-        result = self._attempt(record, _STEP, call, call)
+        result = self._attempt(record, _STEP, RandomStreams.capture(), call, call)
         if boundary:
             self._close()
         return result
@@ -164,12 +165,12 @@ class DataParallelCalls:
         runtime.progress.step_end(drop_in.iteration, time.perf_counter() - started)
         self._micro = []
 
-    def _attempt(self, record: MicroBatch, call: str, first: Callable[[], Any],
-                 again: Callable[[Any], Any]) -> Any:
+    def _attempt(self, record: MicroBatch, call: str, entry: RandomStreams,
+                 first: Callable[[], Any], again: Callable[[Any], Any]) -> Any:
         """Runs one call of the iteration (``first``) until it completes in some generation;
-        after a lost peer, the iteration's completed calls are redone and then the call
-        (``again``, given the redone forward's output of its micro-batch)."""
-        entry = RandomStreams.capture()  # the redo ends where this call began
+        after a lost peer, the iteration's completed calls are redone, the random-number
+        streams put back to ``entry`` (where the call began), and then the call (``again``,
+        given the redone forward's output of its micro-batch)."""
         redo = False
         while True:
             try:
