@@ -51,8 +51,7 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=4)
     args = parser.parse_args()
     store = host_loopback_store()
-    gate = StoreGate(SECRET, LOOPBACK, 0)
-    gate.route(CONTROL_TARGET, store.port)
+    gate = StoreGate(SECRET, LOOPBACK, 0, {CONTROL_TARGET: store.port})
     relay = StoreRelay(SECRET, LOOPBACK, gate.port)
     relay.client(CONTROL_TARGET, timeout_s=10)  # the gate answers
     ports = {"direct": store.port, "gate": relay.port_for(CONTROL_TARGET)}

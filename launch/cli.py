@@ -60,9 +60,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _run_first_host(config: LaunchConfig, secret: bytes) -> int:
-    gate = _open_gate(config, secret)
     store = host_loopback_store()
-    gate.route(CONTROL_TARGET, store.port)
+    gate = _open_gate(config, secret, {CONTROL_TARGET: store.port})
     port = gate.port
     agents = {node_rank: _spawn_agent(config, node_rank, port, secret)
               for node_rank in config.local_node_ranks}
@@ -79,10 +78,11 @@ def _run_first_host(config: LaunchConfig, secret: bytes) -> int:
         _report(controller.summary, config)
 
 
-def _open_gate(config: LaunchConfig, secret: bytes) -> StoreGate:
-    """The job's one open port, on the job's address only."""
+def _open_gate(config: LaunchConfig, secret: bytes, routes: dict[int, int]) -> StoreGate:
+    """The job's one open port, on the job's address only, leading to ``routes`` from its
+    first connection on."""
     try:
-        return StoreGate(secret, _listen_address(config), config.master_port)
+        return StoreGate(secret, _listen_address(config), config.master_port, routes)
     except OSError as error:
         raise ConfigError(
             f"cannot open the job's port {config.master_addr}:{config.master_port} ({error}); "

@@ -21,7 +21,8 @@ Protocol (all integers big-endian)::
 
     gate  -> client   MAGIC (8 bytes) + nonce (16 bytes)
     client -> gate    target (4 bytes) + HMAC-SHA256(secret, nonce + target) (32 bytes)
-    gate  -> client   1 byte: ACCEPTED, then the store's own protocol; or REFUSED, then close
+    gate  -> client   1 byte: ACCEPTED, then the store's own protocol; REFUSED (wrong secret)
+                      or NO_STORE (no such target), then close
 
 Target :data:`CONTROL_TARGET` is the controller's store; the per-attempt rendezvous stores
 are :func:`attempt_target`.
@@ -38,7 +39,7 @@ import struct
 import threading
 import time
 from datetime import timedelta
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional
 
 import torch.distributed as dist
 
@@ -48,7 +49,7 @@ logger = logging.getLogger(__name__)
 
 MAGIC = b"MOVRGAT1"
 NONCE_BYTES = 16
-ACCEPTED, REFUSED = b"\x01", b"\x00"
+ACCEPTED, REFUSED, NO_STORE = b"\x01", b"\x00", b"\x02"
 HANDSHAKE_TIMEOUT_S = 10.0
 """How long the gate waits for a client's answer, and a relay for the gate's verdict."""
 CONTROL_TARGET = 0
@@ -91,10 +92,13 @@ def host_loopback_store() -> dist.TCPStore:
 class StoreGate:
     """The job's one network port in front of the stores the controller hosts."""
 
-    def __init__(self, secret: bytes, addr: str, port: int) -> None:
+    def __init__(self, secret: bytes, addr: str, port: int,
+                 routes: Optional[Mapping[int, int]] = None) -> None:
+        """``routes``: the stores (target -> loopback port) routed before the port opens, so
+        no client can arrive before them (the controller's store)."""
         self._secret = secret
         self._refusals: list[tuple[str, str]] = []
-        self._routes: dict[int, int] = {}
+        self._routes: dict[int, int] = dict(routes or {})
         self._lock = threading.Lock()
         self._links: set[_Link] = set()
         self._listener = socket.create_server((addr, port), backlog=512)
@@ -149,7 +153,7 @@ class StoreGate:
         with self._lock:
             store_port = self._routes.get(target)
         if store_port is None:
-            return self._refuse(client, peer, f"no store {target}")
+            return self._refuse(client, peer, f"no store {target}", NO_STORE)
         try:
             store = socket.create_connection((LOOPBACK, store_port), timeout=HANDSHAKE_TIMEOUT_S)
             client.sendall(ACCEPTED)
@@ -160,12 +164,13 @@ class StoreGate:
         self._join(client, store)
         return None
 
-    def _refuse(self, client: socket.socket, peer: str, why: str) -> None:
+    def _refuse(self, client: socket.socket, peer: str, why: str,
+                verdict: bytes = REFUSED) -> None:
         logger.warning("refused a connection to the job's store from %s: %s", peer, why)
         with self._lock:
             self._refusals.append((peer, why))
         try:
-            client.sendall(REFUSED)
+            client.sendall(verdict)
         except OSError:
             pass
         client.close()
@@ -231,9 +236,7 @@ class StoreRelay:
             gate.sendall(_TARGET.pack(target) + answer(self._secret, nonce, target))
             verdict = _receive_exactly(gate, 1)
             if verdict != ACCEPTED:
-                raise GateRefused(f"the job at {self._address} refused this host's secret "
-                                  "(MOVER_JOB_SECRET must be the job's)" if verdict == REFUSED
-                                  else f"the job at {self._address} closed the connection")
+                raise GateRefused(_refusal(self._address, verdict, target))
             gate.settimeout(None)
             return gate
         except BaseException:
@@ -312,6 +315,15 @@ class _Link:
         except OSError:
             pass
         self.close()
+
+
+def _refusal(address: str, verdict: Optional[bytes], target: int) -> str:
+    if verdict == REFUSED:
+        return (f"the job at {address} refused this host's secret "
+                "(MOVER_JOB_SECRET must be the job's)")
+    if verdict == NO_STORE:
+        return f"the job at {address} has no store {target}"
+    return f"the job at {address} closed the connection"
 
 
 def _receive_exactly(sock: socket.socket, count: int) -> Optional[bytes]:

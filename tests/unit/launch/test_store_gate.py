@@ -30,8 +30,7 @@ SECRET = b"the-job-secret-0123456789"
 @pytest.fixture
 def gate():
     store = host_loopback_store()
-    gate = StoreGate(SECRET, "127.0.0.1", 0)
-    gate.route(CONTROL_TARGET, store.port)
+    gate = StoreGate(SECRET, "127.0.0.1", 0, {CONTROL_TARGET: store.port})
     yield gate, store
     gate.close()
 
@@ -66,10 +65,10 @@ def test_a_wrong_secret_is_refused_and_reported_and_reaches_nothing(gate):
     assert gate.take_refusals() == []
 
 
-def test_a_store_the_gate_does_not_route_is_refused(gate):
+def test_a_store_the_gate_does_not_route_is_refused_and_named(gate):
     gate, _ = gate
     relay = StoreRelay(SECRET, "127.0.0.1", gate.port)
-    with pytest.raises(GateRefused):
+    with pytest.raises(GateRefused, match=r"has no store 6$"):
         relay.open(attempt_target(5))
     assert gate.take_refusals()[0][1] == "no store 6"
 
