@@ -9,8 +9,9 @@ let the training script resume from its latest checkpoint.
 The ``resilient`` policy replaces a lost rank with a standby inside the running job, and the
 ``mover`` command (``jobctl``) moves ranks to standbys on an operator's request.
 
-Modules: ``hostfile`` (host list parsing), ``slurm`` (the hosts from Slurm's variables), ``config``
-(flags and their checks), ``summary`` (interruption timing and the JSON summary), ``eventlog``,
+Modules: ``hostfile`` (host list parsing), ``slurm`` (the hosts from Slurm's
+variables), ``deepspeed_line`` (the ``deepspeed`` launcher's flags), ``config`` (flags and
+their checks), ``summary`` (interruption timing and the JSON summary), ``eventlog``,
 ``agent``, ``controller`` and its units (``context``: the state they share; ``attempts``,
 ``timing``, ``recovery``, ``migration``, ``operator_requests``; ``step_times``: the step ends the
 agents batch and the controller logs; ``refill``: the standby pool brought back to its target),

@@ -55,7 +55,7 @@ from mover_plugin.contract import (
     command_problem,
     encode_notice,
 )
-from mover_plugin.devices import free_slot
+from mover_plugin.devices import VISIBLE_ENV, free_slot, visible_subset
 from mover_plugin.launch.agent_config import AgentConfig
 from mover_plugin.launch.faults import FaultDelivery
 from mover_plugin.launch.job_secret import launch_secret
@@ -363,10 +363,13 @@ class Agent:
 
     def _worker_env(self, rank: Optional[int], slot: int, attempt: int,
                     progress_fd: int) -> dict[str, str]:
-        return process_environment(
+        env = process_environment(
             self.config.node, self.config.world_size, rank, slot, attempt, self._generation,
             progress_fd, store_port=self._store_relay.port_for(attempt_target(attempt)),
             control_port=self._store_relay.port_for(CONTROL_TARGET))
+        if self.config.node.devices and self.config.gpus:
+            env[VISIBLE_ENV] = visible_subset(self.config.node.devices, env)
+        return env
 
     def _stop_workers(self) -> None:
         live = [w for w in self._workers if not w.exited]

@@ -141,7 +141,7 @@ def _agent_config(config: LaunchConfig, node_rank: int, port: int) -> AgentConfi
         standbys=config.standbys_of(node),
         exit_timeout_s=config.exit_timeout_s,
         report_busy=config.report_busy,
-        gpus=config.gpus,
+        gpus=config.gpus_of(node),
     )
 
 

@@ -19,6 +19,11 @@ from typing import Mapping, Optional, Sequence, Union
 from mover_plugin.devices import check_host_fits, driver_gpu_count, gpus_on_host
 from mover_plugin.errors import ConfigError
 from mover_plugin.runtime.settings import ResilienceSettings
+from mover_plugin.launch.deepspeed_line import (
+    add_deepspeed_flags,
+    refuse_unsupported,
+    uses_deepspeed_launcher,
+)
 from mover_plugin.launch.faults import (
     FailureInjection,
     MigrationInjection,
@@ -47,6 +52,7 @@ from mover_plugin.launch.hosts import (
     store_port,
 )
 from mover_plugin.launch.liveness import BEAT_PERIOD_S
+from mover_plugin.launch.run import LOCAL_RANK_ARG_FLAG
 
 POLICIES = ("restart", "resilient")
 DEFAULT_AGENT_TIMEOUT_S = 2.0
@@ -103,6 +109,9 @@ class LaunchConfig:
     script_path: Optional[str] = None
     """The training script (None with ``-m``)."""
     script_args: tuple[str, ...] = field(default=())
+    local_rank_arg: bool = False
+    """Give each process's script ``--local_rank=N`` first, as the deepspeed launcher does
+    (a line with its flags; :mod:`mover_plugin.launch.deepspeed_line`)."""
 
     @property
     def world_size(self) -> int:
@@ -113,12 +122,18 @@ class LaunchConfig:
         """What the agents run: the user's command through ``python -m mover_plugin.launch.run``
         (:mod:`mover_plugin.launch.run`), which installs the framework hooks first."""
         interpreter, unbuffered, *target = self.command
-        return (interpreter, unbuffered, "-m", RUN_MODULE, *target)
+        flag = (LOCAL_RANK_ARG_FLAG,) if self.local_rank_arg else ()
+        return (interpreter, unbuffered, "-m", RUN_MODULE, *flag, *target)
 
     @property
     def report_busy(self) -> bool:
         """Whether agents send each step's busy times (the slow-rank policy is on)."""
         return self.slow_rank_factor is not None
+
+    def gpus_of(self, node: NodeSpec) -> int:
+        """The GPUs of ``node`` its processes may use: those named for it, or all of
+        :attr:`gpus` (0 on a host without GPUs)."""
+        return len(node.devices) if node.devices and self.gpus else self.gpus
 
     def standbys_of(self, node: NodeSpec) -> int:
         """Standbys the agent of ``node`` starts: a spare host one per slot, a worker host
@@ -185,10 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
         "environment, a controller that outlives the ranks and a policy for failures.",
     )
     add = parser.add_argument
-    add("--nproc-per-node", "--nproc_per_node", "--num_gpus", "--num_accelerators",
-        dest="nproc_per_node", type=positive_int, default=None,
-        help="Workers per host (default 1; with --hostfile, its slots). --num_gpus and "
-        "--num_accelerators are the deepspeed launcher's names for it.")
+    add("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", type=positive_int,
+        default=None, help="Workers per host (default 1; with --hostfile, its slots).")
     add("--nnodes", type=positive_int, default=None, help="Number of hosts (default 1).")
     add("--node-rank", "--node_rank", dest="node_rank", type=non_negative_int, default=None,
         help="This host's index among the hosts (default 0).")
@@ -278,6 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="Do not check the script's flags before starting workers.")
     add("-m", "--module", action="store_true",
         help="Treat the script as a Python module name, as 'python -m'.")
+    add_deepspeed_flags(add)
     add("script", nargs="?", default=None, help="The training script (or module with -m).")
     add("script_args", nargs=argparse.REMAINDER, help="Arguments of the training script.")
     return parser
@@ -292,6 +306,7 @@ def parse_launch_args(argv: Sequence[str], python: str,
     process's environment) when it runs in a Slurm job step (:mod:`mover_plugin.launch.slurm`)."""
     parser = build_parser()
     args = parser.parse_args(list(argv))
+    refuse_unsupported(args)
     environ = environ if environ is not None else os.environ
     if args.join is not None:
         return _join_config(args, parser, environ)
@@ -310,7 +325,8 @@ def parse_launch_args(argv: Sequence[str], python: str,
         master_addr = slurm.hosts[0]
         master_port = slurm.port if args.master_port is None else args.master_port
     else:
-        nodes = nodes_of(args)
+        nodes = nodes_of(args, lambda: gpus_on_host(args.gpus_per_node, environ,
+                                                    driver_gpu_count).count)
         local, runs_controller = local_nodes(args, nodes)
         master_addr = args.master_addr or DEFAULT_MASTER_ADDR
         master_port = store_port(args, nodes, local)
@@ -361,6 +377,8 @@ def parse_launch_args(argv: Sequence[str], python: str,
         preflight=args.preflight,
         script_path=None if args.module else args.script,
         script_args=tuple(args.script_args),
+        local_rank_arg=(uses_deepspeed_launcher(argv, args.script_args)
+                        and not args.no_local_rank),
     )
 
 

@@ -24,6 +24,8 @@ class HostEntry:
     host: str
     slots: int
     spare: bool = False
+    devices: tuple[int, ...] = ()
+    """The GPUs its processes use, when a line names them (:class:`hosts.NodeSpec`)."""
 
 
 def parse_hostfile(path: str | Path) -> list[HostEntry]:

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 from mover_plugin.devices import HostGpus, check_host_fits, driver_gpu_count, gpus_on_host
 from mover_plugin.errors import ConfigError
+from mover_plugin.launch.deepspeed_line import LOCAL_HOST, select_slots
 from mover_plugin.launch.hostfile import HostEntry, is_local_host, parse_hostfile
 from mover_plugin.launch.slurm import SlurmAllocation, allocation_from_env
 
@@ -29,6 +30,12 @@ class NodeSpec:
     nproc: int
     first_rank: int
     spare_slots: int = 0
+    devices: tuple[int, ...] = ()
+    """The host's GPUs its processes use, as indices among those the host sees (the slots a
+    deepspeed-style ``--include``/``--exclude`` names); empty: all of them."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "devices", tuple(self.devices))  # a list, read from JSON
 
     @property
     def ranks(self) -> range:
@@ -46,17 +53,27 @@ class NodeSpec:
 
 def local_gpus(args: argparse.Namespace, environ: Mapping[str, str],
                 local: list[NodeSpec], standbys: int) -> HostGpus:
-    """This host's GPUs, once every local host's workers and standbys are known to fit."""
+    """This host's GPUs, once every local host's workers and standbys are known to fit (on a
+    host whose processes use some of its GPUs only, in those)."""
     gpus = gpus_on_host(args.gpus_per_node, environ, driver_gpu_count)
     for node in local:
+        named = list(node.devices) if gpus.count else []
+        if named and max(named) >= gpus.count:
+            raise ConfigError(f"host {node.host}: slot {max(named)} names no GPU; it has "
+                              f"{gpus.count} ({gpus.source})")
         check_host_fits(node.host, node.nproc, node.spare_slots if node.spare else standbys,
-                        gpus)
+                        HostGpus(len(named), f"the slots named for it: {named}") if named
+                        else gpus)
     return gpus
 
 
-def nodes_of(args: argparse.Namespace) -> tuple[NodeSpec, ...]:
+def nodes_of(args: argparse.Namespace, host_gpus: Callable[[], int]) -> tuple[NodeSpec, ...]:
     """The hosts from ``--hostfile``, or ``--nnodes`` copies of one host of ``--nproc-per-node``
-    slots (the last ``--spare-hosts`` of them spare)."""
+    slots (the last ``--spare-hosts`` of them spare); with the deepspeed launcher's
+    ``--num_nodes``/``--num_gpus``/``--include``/``--exclude``, those of them
+    (``host_gpus``: this host's GPU count, the slots of a line without a hostfile)."""
+    if _deepspeed_selection(args):
+        return _from_entries(_with_spares(_selected_entries(args, host_gpus), args))
     if args.hostfile is not None:
         if args.nproc_per_node is not None or args.nnodes is not None:
             raise ConfigError(
@@ -67,12 +84,54 @@ def nodes_of(args: argparse.Namespace) -> tuple[NodeSpec, ...]:
     nnodes = 1 if args.standalone else (args.nnodes or 1)
     if args.standalone and args.nnodes not in (None, 1):
         raise ConfigError(f"--standalone runs on one machine; --nnodes {args.nnodes} conflicts")
-    nproc = args.nproc_per_node or 1
+    nproc = _nproc_per_node(args) or 1
     host = args.master_addr or DEFAULT_MASTER_ADDR
     return _from_entries(_with_spares([HostEntry(host, nproc)] * nnodes, args))
 
 
-HOST_FLAGS = ("hostfile", "nnodes", "node_rank", "master_addr", "standalone")
+def _nproc_per_node(args: argparse.Namespace) -> Optional[int]:
+    """``--nproc-per-node`` or the deepspeed launcher's ``--num_gpus``, which means the same
+    without a hostfile."""
+    if args.nproc_per_node is not None and args.num_gpus is not None:
+        raise ConfigError(f"--nproc-per-node {args.nproc_per_node} and --num_gpus "
+                          f"{args.num_gpus} say the same thing: give one of them")
+    return args.nproc_per_node if args.num_gpus is None else args.num_gpus
+
+
+def _deepspeed_selection(args: argparse.Namespace) -> bool:
+    """Whether the deepspeed launcher's flags select hosts or slots (``--num_gpus`` alone
+    without a hostfile is ``--nproc-per-node``)."""
+    return (any(getattr(args, name) is not None for name in ("num_nodes", "include", "exclude"))
+            or (args.num_gpus is not None and args.hostfile is not None))
+
+
+def _selected_entries(args: argparse.Namespace,
+                      host_gpus: Callable[[], int]) -> list[HostEntry]:
+    """The hosts and slots a deepspeed-style line selects (:mod:`deepspeed_line`)."""
+    for flag, value in (("--nproc-per-node", args.nproc_per_node), ("--nnodes", args.nnodes),
+                        ("--standalone", args.standalone or None)):
+        if value is not None:
+            raise ConfigError(f"{flag} does not go with the deepspeed launcher's --num_gpus, "
+                              "--num_nodes, --include or --exclude: give the hosts one way")
+    if args.hostfile is not None:
+        entries = parse_hostfile(args.hostfile)
+        pool: dict[str, Optional[int]] = {e.host: e.slots for e in entries}
+        if len(pool) < len(entries):
+            raise ConfigError(f"hostfile {args.hostfile!r} names a host twice; the deepspeed "
+                              "launcher's --include/--exclude need each host once")
+    else:
+        entries, pool = [], {LOCAL_HOST: host_gpus() or None}
+    chosen = select_slots(pool, args)
+    spares = {e.host for e in entries if e.spare}
+    exact = bool(args.include or args.exclude)
+    host = args.master_addr or DEFAULT_MASTER_ADDR
+    return [HostEntry(host if name == LOCAL_HOST and args.hostfile is None else name,
+                      len(slots), name in spares, tuple(slots) if exact else ())
+            for name, slots in chosen.items()]
+
+
+HOST_FLAGS = ("hostfile", "nnodes", "node_rank", "master_addr", "standalone", "num_nodes",
+              "include", "exclude")
 """The flags that say where the job's hosts are; without any, Slurm's variables may."""
 
 
@@ -87,7 +146,7 @@ def slurm_allocation(args: argparse.Namespace,
 def nodes_of_allocation(args: argparse.Namespace,
                         slurm: SlurmAllocation) -> tuple[NodeSpec, ...]:
     """The hosts of a Slurm allocation, each with ``--nproc-per-node`` slots or its GPUs."""
-    nproc = args.nproc_per_node or slurm.gpus_on_node or 1
+    nproc = _nproc_per_node(args) or slurm.gpus_on_node or 1
     return _from_entries(_with_spares([HostEntry(host, nproc) for host in slurm.hosts], args))
 
 
@@ -98,7 +157,7 @@ def _with_spares(entries: Sequence[HostEntry], args: argparse.Namespace) -> list
     if count >= len(entries) and count > 0:
         raise ConfigError(f"--spare-hosts {count}: the job has {len(entries)} host(s); at least "
                           "one must run workers")
-    marked = [HostEntry(e.host, e.slots, e.spare or i >= len(entries) - count)
+    marked = [HostEntry(e.host, e.slots, e.spare or i >= len(entries) - count, e.devices)
               for i, e in enumerate(entries)] if count else list(entries)
     spares = [e for e in marked if e.spare]
     if len(spares) == len(marked):
@@ -113,9 +172,10 @@ def _from_entries(entries: Sequence[HostEntry]) -> tuple[NodeSpec, ...]:
     nodes, first = [], 0
     for node_rank, entry in enumerate(entries):
         if entry.spare:
-            nodes.append(NodeSpec(node_rank, entry.host, 0, first, spare_slots=entry.slots))
+            nodes.append(NodeSpec(node_rank, entry.host, 0, first, spare_slots=entry.slots,
+                                  devices=entry.devices))
             continue
-        nodes.append(NodeSpec(node_rank, entry.host, entry.slots, first))
+        nodes.append(NodeSpec(node_rank, entry.host, entry.slots, first, devices=entry.devices))
         first += entry.slots
     return tuple(nodes)
 

@@ -39,7 +39,11 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any, Optional
 
-USAGE = "usage: python -m mover_plugin.launch.run SCRIPT [ARGS...] | -m MODULE [ARGS...]"
+USAGE = ("usage: python -m mover_plugin.launch.run [--local-rank-arg] SCRIPT [ARGS...] | "
+         "-m MODULE [ARGS...]")
+LOCAL_RANK_ARG_FLAG = "--local-rank-arg"
+"""Gives the script ``--local_rank=$LOCAL_RANK`` before its own arguments, as the deepspeed
+launcher does (``mover-launch`` with the deepspeed launcher's flags)."""
 
 
 class _HookedLoader(importlib.abc.Loader):
@@ -143,6 +147,8 @@ def install_framework_hooks() -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == [LOCAL_RANK_ARG_FLAG]:
+        argv = with_local_rank_arg(argv[1:], os.environ.get("LOCAL_RANK", "0"))
     if not argv or argv[0] in ("-h", "--help") or argv[:1] == ["-m"] and len(argv) < 2:
         print(USAGE, file=sys.stderr)
         sys.exit(2)
@@ -153,6 +159,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         _end_of_script(end)
         raise
     _end_of_script(None)
+
+
+def with_local_rank_arg(argv: list[str], local_rank: str) -> list[str]:
+    """``SCRIPT ARGS`` (or ``-m MODULE ARGS``) with ``--local_rank=N`` after the script."""
+    split = 2 if argv[:1] == ["-m"] else 1
+    return argv[:split] + ([f"--local_rank={local_rank}"] if len(argv) >= split else []) \
+        + argv[split:]
 
 
 def _run_to_the_end(argv: list[str]) -> None:

@@ -78,6 +78,14 @@ def check_host_fits(host: str, workers: int, standbys: int, gpus: HostGpus) -> N
         f"(standbys can run on spare hosts: --spare-hosts), or set --gpus-per-node")
 
 
+def visible_subset(devices: Iterable[int], env: Mapping[str, str]) -> str:
+    """The ``CUDA_VISIBLE_DEVICES`` that shows a process exactly ``devices``: indices among the
+    GPUs ``env`` shows (its ``CUDA_VISIBLE_DEVICES``, else all the driver's)."""
+    visible = env.get(VISIBLE_ENV)
+    ids = [e.strip() for e in visible.split(",") if e.strip()] if visible is not None else None
+    return ",".join(ids[d] if ids is not None else str(d) for d in devices)
+
+
 def free_slot(held: Iterable[int], gpus: int) -> Optional[int]:
     """The lowest slot not in ``held``; None when all ``gpus`` GPUs are held (0: a host
     without GPUs, whose slots are numbers only)."""

@@ -209,6 +209,33 @@ def check_warmed_standbys(events, shadow_rank):
         assert report["time"] <= ready.get(standby, float("inf"))
 
 
+def test_a_deepspeed_launcher_line_runs_with_only_the_command_name_changed(
+        tmp_path, data_parallel_reference):
+    """``deepspeed --hostfile H --include A:0,1@B:1,3 --master_port P script ...`` as
+    ``mover-launch`` with the same flags: two hosts (this machine's 127.0.0.1 and .2, an agent
+    each), two of each host's slots, ``--local_rank=N`` given to every process as that launcher
+    gives it; a SIGKILL is recovered by the host's standby, with the failure-free result."""
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("127.0.0.1 slots=2\n127.0.0.2 slots=4\n")
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps({**ZERO_2, "resilience": {"peer_copy": True, "standbys": 1}}))
+    events, summary = tmp_path / "events.jsonl", tmp_path / "summary.json"
+    result = run_command([*LAUNCH, "--hostfile", str(hostfile), "--include",
+                          "127.0.0.1:0,1@127.0.0.2:1,3", "--master_port", "0",
+                          "--event-log", str(events), "--summary", str(summary),
+                          "--stop-grace-s", "2", "--inject-failure", "2:6", DATA_PARALLEL,
+                          "--steps", str(STEPS), "--deepspeed_config", str(path), *BY_RANK],
+                         timeout_s=300)
+    assert result.returncode == 0, result.output[-5000:]
+    assert digest(result) == digest(data_parallel_reference)
+    given = re.findall(r"^LOCAL_RANK_ARG (\d+)$", result.stdout, re.MULTILINE)
+    # Two workers a host (local ranks 0 and 1), and each host's standby (slot 2).
+    assert sorted(given) == ["0", "0", "1", "1", "2", "2"], result.stdout[-3000:]
+    (interruption,) = json.loads(summary.read_text())["interruptions"]
+    assert (interruption["rank"], interruption["recovery"]) == (2, "standby")
+    assert [e["event"] for e in read_events(events)].count("attempt_start") == 1
+
+
 def test_a_rank_lost_at_the_commit_of_a_step_is_recovered_by_redoing_every_micro_batch(
         tmp_path, data_parallel_reference):
     """Rank 1 kills itself at the commit of the step that was to switch rank 3 to a standby

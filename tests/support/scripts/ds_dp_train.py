@@ -18,6 +18,9 @@ GPU's with CUDA); ``--augment`` shifts each micro-batch's token ids (and labels)
 drawn from Python's ``random`` and one from NumPy's global state, between the calls;
 ``--seed-by-rank`` seeds all three with ``1234 + rank`` instead of 1234 on every rank (the rank from
 torch.distributed, or before ``deepspeed.initialize`` from ``RANK``).
+
+Given ``--local_rank=N`` (the deepspeed launcher's argument), it prints ``LOCAL_RANK_ARG N`` and
+checks that N is the process's ``LOCAL_RANK``.
 """
 
 from __future__ import annotations
@@ -71,6 +74,11 @@ class NextTokenModel(nn.Module):
 
 def main() -> None:
     args = parse_args()
+    if args.local_rank != -1:  # the deepspeed launcher's argument: it must be LOCAL_RANK
+        print(f"LOCAL_RANK_ARG {args.local_rank}", flush=True)
+        if str(args.local_rank) != os.environ.get("LOCAL_RANK"):
+            raise SystemExit(f"--local_rank={args.local_rank} but LOCAL_RANK="
+                             f"{os.environ.get('LOCAL_RANK')}")
     if not args.no_init_distributed:
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     seed(1234 + (rank() if args.seed_by_rank else 0))
