@@ -4,7 +4,8 @@ Every check runs before any process starts and raises :class:`ConfigError` with 
 names the bad value and what would be valid. The flag names are torchrun's
 (``--nproc-per-node``, ``--nnodes``, ``--node-rank``, ``--master-addr``, ``--master-port``,
 ``--max-restarts``, ``--standalone``; the underscore spellings work too) so that replacing
-``torchrun`` by ``mover-launch`` in a command line just works. Under ``srun``, without host
+``torchrun`` by ``mover-launch`` in a command line just works; the ``deepspeed`` launcher's own
+flags keep its meanings (:mod:`mover_plugin.launch.deepspeed_line`). Under ``srun``, without host
 flags, the hosts come from Slurm's variables (:mod:`mover_plugin.launch.slurm`).
 """
 
