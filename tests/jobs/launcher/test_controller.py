@@ -1214,9 +1214,9 @@ def test_a_host_that_asks_to_join_is_admitted_as_a_spare_host_used_by_the_next_f
     new, back = job.commands()
     assert new["op"] == back["op"] == "admit" and (new["token"], back["token"]) == ("t9", "t1")
     assert new["node"] == {"node_rank": 3, "host": "host9", "nproc": 0, "first_rank": 4,
-                           "spare_slots": 1}
+                           "spare_slots": 1, "devices": []}
     assert back["node"] == {"node_rank": 1, "host": "host1", "nproc": 2, "first_rank": 2,
-                            "spare_slots": 0}
+                            "spare_slots": 0, "devices": []}
     assert new["world_size"] == 4 and new["command"] == list(job.config.worker_command)
     assert (new["standbys"], back["standbys"]) == (1, 0)  # one per slot; host 1's --standbys
     assert [e["node"] for e in job.log("host_admitted")] == [3, 1]
