@@ -33,7 +33,7 @@ from mover_plugin.launch.flag_types import positive_int
 
 DEEPSPEED_ONLY_FLAGS = ("--num_gpus", "--num_accelerators", "--num_nodes", "--include",
                         "--exclude", "--no_local_rank", "--force_multi", "--no_ssh",
-                        "--no_ssh_check", "--no_python")
+                        "--no_ssh_check")
 """Spellings only the deepspeed launcher has: a line that uses one gets its behaviour."""
 
 LOCAL_HOST = "localhost"
@@ -77,9 +77,9 @@ def add_deepspeed_flags(add) -> None:
         help="Accepted for the deepspeed launcher's sake: mover-launch starts one host or "
         "many the same way, never through ssh.")
     for flag in REFUSED:
-        valued = {} if flag in REFUSED_SWITCHES else {"metavar": "VALUE"}
-        add(flag, dest=f"refused_{flag[2:]}", default=None, help=argparse.SUPPRESS,
-            **({"action": "store_const", "const": True} if not valued else valued))
+        kind = ({"action": "store_const", "const": True} if flag in REFUSED_SWITCHES
+                else {"metavar": "VALUE"})
+        add(flag, dest=f"refused_{flag[2:]}", default=None, help=argparse.SUPPRESS, **kind)
 
 
 def refuse_unsupported(args: argparse.Namespace) -> None:
@@ -162,8 +162,12 @@ def _filtered(pool: dict[str, Optional[int]], text: str, include: bool) -> dict[
     kept = {}
     for host, count in pool.items():
         every = list(range(count)) if count is not None else []
-        slots = ((named[host] or every) if host in named else []) if include else \
-            [s for s in every if host not in named or (named[host] and s not in named[host])]
+        if include:
+            slots = (named[host] or every) if host in named else []
+        elif host not in named:
+            slots = every
+        else:  # a host named without slots is excluded whole
+            slots = [s for s in every if named[host] and s not in named[host]]
         if slots:
             kept[host] = slots
     if not kept:
