@@ -10,7 +10,13 @@ import argparse
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, Sequence
 
-from mover_plugin.devices import HostGpus, check_host_fits, driver_gpu_count, gpus_on_host
+from mover_plugin.devices import (
+    VISIBLE_ENV,
+    HostGpus,
+    check_host_fits,
+    driver_gpu_count,
+    gpus_on_host,
+)
 from mover_plugin.errors import ConfigError
 from mover_plugin.launch.deepspeed_line import LOCAL_HOST, select_slots
 from mover_plugin.launch.hostfile import HostEntry, is_local_host, parse_hostfile
@@ -58,9 +64,10 @@ def local_gpus(args: argparse.Namespace, environ: Mapping[str, str],
     gpus = gpus_on_host(args.gpus_per_node, environ, driver_gpu_count)
     for node in local:
         named = list(node.devices) if gpus.count else []
-        if named and max(named) >= gpus.count:
+        seen = len(environ[VISIBLE_ENV].split(",")) if environ.get(VISIBLE_ENV) else gpus.count
+        if named and max(named) >= min(gpus.count, seen):
             raise ConfigError(f"host {node.host}: slot {max(named)} names no GPU; it has "
-                              f"{gpus.count} ({gpus.source})")
+                              f"{min(gpus.count, seen)} ({gpus.source})")
         check_host_fits(node.host, node.nproc, node.spare_slots if node.spare else standbys,
                         HostGpus(len(named), f"the slots named for it: {named}") if named
                         else gpus)

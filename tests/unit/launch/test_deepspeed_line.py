@@ -72,6 +72,9 @@ def test_without_a_hostfile_the_host_is_localhost_and_its_slots_its_gpus():
     assert config.gpus_of(config.nodes[0]) == 2
     assert visible_subset(config.nodes[0].devices, FOUR_GPUS) == "5,7"
     assert visible_subset((0, 2), {}) == "0,2"
+    with pytest.raises(ConfigError, match=re.escape("slot 5 names no GPU; it has 4")):
+        parse_launch_args(["--include", "localhost:5", "--gpus-per-node", "8", "t.py"], "py",
+                          FOUR_GPUS)
 
 
 @pytest.mark.parametrize("argv, message", [
