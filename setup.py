@@ -35,6 +35,8 @@ setup(
         # megatron-core's [mlm]: Megatron-LM's tokenizers and loggers (megatron.training).
         "megatron-training": ["megatron-core[mlm]>=0.19.2,<0.20"],
         "deepspeed": ["deepspeed>=0.19.8,<0.20"],
+        # Transformers' Trainer with DeepSpeed, through Accelerate (docs/deepspeed.md).
+        "hf": ["transformers>=5.25,<6", "accelerate>=1.16,<2"],
         # mover report's timeline picture.
         "report": ["matplotlib>=3.8"],
         "test": ["pytest>=8"],

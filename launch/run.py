@@ -30,6 +30,7 @@ Under ``torchrun`` the same module gives the same behaviour::
 
 from __future__ import annotations
 
+import importlib
 import importlib.abc
 import importlib.machinery
 import os
@@ -69,7 +70,9 @@ class _HookedLoader(importlib.abc.Loader):
 
 class FirstImportHook(importlib.abc.MetaPathFinder):
     """Calls ``before()`` and ``after()`` around the first import of module ``name``; a
-    module imported already is left alone."""
+    module imported already is left alone. Until the module's code runs, every spec found for
+    it carries the hooks: a spec asked for without importing (``importlib.util.find_spec``,
+    as Transformers asks whether DeepSpeed is installed) is not the import."""
 
     def __init__(self, name: str, before: Callable[[], None], after: Callable[[], None]) -> None:
         self.name = name
@@ -84,18 +87,22 @@ class FirstImportHook(importlib.abc.MetaPathFinder):
                   target: Optional[ModuleType] = None) -> Optional[importlib.machinery.ModuleSpec]:
         if fullname != self.name:
             return None
-        sys.meta_path.remove(self)
-        spec = _find_with_others(fullname, path, target)
+        spec = _find_with_others(self, fullname, path, target)
         if spec is not None and spec.loader is not None:
-            spec.loader = _HookedLoader(spec.loader, self._before, self._after)
+            spec.loader = _HookedLoader(spec.loader, self._importing, self._after)
         return spec
 
+    def _importing(self) -> None:
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+        self._before()
 
-def _find_with_others(fullname: str, path: Optional[Sequence[str]],
+
+def _find_with_others(hook: FirstImportHook, fullname: str, path: Optional[Sequence[str]],
                       target: Optional[ModuleType]) -> Optional[importlib.machinery.ModuleSpec]:
-    for finder in sys.meta_path:
+    for finder in list(sys.meta_path):
         find_spec = getattr(finder, "find_spec", None)
-        if find_spec is None:
+        if finder is hook or find_spec is None:
             continue
         spec = find_spec(fullname, path, target)
         if spec is not None:
@@ -125,10 +132,16 @@ def _after_deepspeed() -> None:
     after_deepspeed_import()
 
 
-def _bind_device() -> None:
+def _after_torch() -> None:
     from mover_plugin.devices import bind_device
 
     bind_device()
+    from mover_plugin.deepspeed.config import block_under_launch
+
+    if block_under_launch(sys.argv[1:]) is not None:
+        # The drop-in must be in place before the script makes its default group, which a
+        # script (or Accelerate) may do before it imports deepspeed.
+        importlib.import_module("deepspeed")
 
 
 def install_framework_hooks() -> None:
@@ -136,13 +149,13 @@ def install_framework_hooks() -> None:
     GPU (its ``LOCAL_RANK``) made current as soon as torch is imported, before the script
     builds anything on a device (:mod:`mover_plugin.devices`); Megatron (``megatron.core``,
     then Megatron-LM's ``megatron.training``) and DeepSpeed."""
-    if "torch" in sys.modules:
-        _bind_device()
-    else:
-        FirstImportHook("torch", _nothing, _bind_device).install()
     FirstImportHook("megatron.core", _before_megatron, _nothing).install()
     FirstImportHook("megatron.training", _nothing, _after_megatron_training).install()
     FirstImportHook("deepspeed", _nothing, _after_deepspeed).install()
+    if "torch" in sys.modules:
+        _after_torch()
+    else:
+        FirstImportHook("torch", _nothing, _after_torch).install()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

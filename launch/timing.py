@@ -184,17 +184,24 @@ class InterruptionTiming(Unit):
             item.rolled_back_to = event["iteration"]
             logger.info("rolled back to the checkpoint of step %d: %s", event["iteration"],
                         event["reason"])
+        self._mark_inexact(event)
+        return None
+
+    def _mark_inexact(self, event: Event) -> None:
+        """The interruption's recovery is inexact, as a rank's event says (its first such)."""
+        item = self._ctx.job.interruption
         if item is not None and event["inexact"] is not None and item.inexact is None:
             item.inexact = f"rank {event['rank']}: {event['inexact']}"
             logger.warning("the recovery is inexact: %s", item.inexact)
-        return None
 
     def _on_caught_up(self, event: Event) -> Optional[int]:
         """A joiner of an unmodified DeepSpeed script ran its script's loop through the steps
         the job trained before it came (mover_plugin.deepspeed.drop_in)."""
         self._ctx.record("caught_up", "switch", generation=event["generation"],
                          rank=event["rank"], when=event["time"], steps=event["steps"],
-                         catch_up_s=event["catch_up_s"])
+                         catch_up_s=event["catch_up_s"], replayed=event["replayed"],
+                         inexact=event["inexact"])
+        self._mark_inexact(event)
         return None
 
     # -- a restart and the first steps after any interruption -------------------------------

@@ -4,6 +4,14 @@
 - ``no-shm-op``: DeepSpeed's torch backend JIT-compiles its shared-memory all-reduce op (g++ and
   ninja, over a minute the first time on a CPU machine) whenever it is created on CPU. Training
   never uses that op (only ``inference_all_reduce`` does), so the build is skipped.
+- ``cpu-adam-powers``: DeepSpeed's ``FusedAdam`` (its optimizer for ``"Adam"``/``"AdamW"``
+  without ``torch_adam``) runs on the CPU through its CPU Adam kernel, which keeps the bias
+  corrections' powers beta^t in the process and multiplies them by beta at each consecutive
+  step, computing ``pow(beta, t)`` only at a jump. Its GPU kernel computes ``pow(beta, t)``
+  from the step every time. A process that joins a job at step t (a standby in a lost rank's
+  place) would jump where the lost rank had multiplied, and round otherwise. The kernel's
+  powers are forgotten before every ``FusedAdam.step``, so each step computes them from t,
+  as on a GPU.
 - ``local-rank``: ``PipelineModule`` reads ``LOCAL_RANK`` from the environment and fails
   without it; a process started outside DeepSpeed's launcher (a standby, a test) gets ``0``
   when it has none.
@@ -34,7 +42,9 @@ import os
 from datetime import timedelta
 from typing import Any
 
-from mover_plugin.patches.local_collectives import _gather_into_tensor_locally, _no_op
+import torch
+
+from mover_plugin.patches.local_collectives import _gather_into_tensor_locally, no_op
 from mover_plugin.patches.registry import AttributeSwap, Patch, Undo, register_patch
 
 GROUP = "deepspeed-cpu"
@@ -85,6 +95,29 @@ def _apply_subgroup_timeout() -> Undo:
     return swap.restore
 
 
+def _forget_adam_powers(optimizer: Any) -> None:
+    """One update of a one-element scratch tensor with betas 0: the kernel's next step sees
+    other betas than its last and computes its powers from the step."""
+    scratch = [[torch.zeros(1)] for _ in range(4)]
+    optimizer.multi_tensor_adam(1, optimizer._dummy_overflow_buf, scratch, 0.0, 0.0, 0.0, 1.0,
+                                1, optimizer.adam_w_mode, 0, 0.0)
+
+
+def _apply_cpu_adam_powers() -> Undo:
+    from deepspeed.ops.adam import FusedAdam
+
+    original = FusedAdam.step
+
+    @functools.wraps(original)
+    def step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        _forget_adam_powers(self)
+        return original(self, *args, **kwargs)
+
+    swap = AttributeSwap()
+    swap.set_attr(FusedAdam, "step", step)
+    return swap.restore
+
+
 def _apply_reentrant_train_batch() -> Undo:
     from deepspeed.runtime.pipe.engine import PipelineEngine
 
@@ -112,7 +145,7 @@ def _apply_local_backend_functions() -> Undo:
     backend = ds_comm.cdb
     if backend is not None:
         swap.set_attr(backend, "all_gather_function", _gather_into_tensor_locally)
-        swap.set_attr(backend, "reduce_scatter_function", _no_op)
+        swap.set_attr(backend, "reduce_scatter_function", no_op)
     return swap.restore
 
 
@@ -122,13 +155,15 @@ def _apply_local_trace_checks() -> Undo:
     import deepspeed.runtime.zero.partitioned_param_coordinator as coordinator
 
     swap = AttributeSwap()
-    swap.set_attr(coordinator, "assert_ints_same_as_other_ranks", _no_op)
+    swap.set_attr(coordinator, "assert_ints_same_as_other_ranks", no_op)
     return swap.restore
 
 
 for _name, _description, _apply, _groups in (
     ("no-shm-op", "DeepSpeed's torch backend skips building its shared-memory op",
      _apply_no_shm_op, (GROUP,)),
+    ("cpu-adam-powers", "FusedAdam's CPU kernel computes beta^t from the step at every step",
+     _apply_cpu_adam_powers, (GROUP,)),
     ("local-rank", "LOCAL_RANK defaults to 0 for PipelineModule", _apply_local_rank,
      (GROUP, RESILIENCE_GROUP)),
     ("subgroup-timeout", "DeepSpeed's subgroups get the default group's timeout",

@@ -15,6 +15,14 @@ Hook points (checked on DeepSpeed 0.19.8):
   ``deepspeed.initialize`` makes when the script made none):
   :meth:`DeepSpeedHooks.around_init_distributed`.
 - ``initialize`` in ``deepspeed``: :meth:`DeepSpeedHooks.around_initialize`.
+- ``init_process_group`` in ``torch.distributed`` (checked on torch 2.13 and 2.14): a script
+  that makes the default group itself before DeepSpeed's call (Accelerate does on CPU):
+  :meth:`DeepSpeedHooks.around_init_process_group`.
+- the collectives of :data:`SCRIPT_COLLECTIVES` in ``torch.distributed``, which a script (the
+  Transformers Trainer through Accelerate) makes between the engine's calls:
+  :meth:`DeepSpeedHooks.around_collective`. They are in place from the drop-in's start, under
+  every later patch of the same names (which restores them), so DeepSpeed's backend, created
+  later, takes these wrappers too.
 """
 
 from __future__ import annotations
@@ -33,6 +41,10 @@ from mover_plugin.patches.registry import (
 )
 
 GROUP = "deepspeed-hooks"
+SCRIPT_COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor",
+                      "all_gather_object", "broadcast_object_list", "barrier")
+"""The collectives of ``torch.distributed`` whose calls reach
+:meth:`DeepSpeedHooks.around_collective`."""
 
 
 class DeepSpeedHooks:
@@ -49,6 +61,16 @@ class DeepSpeedHooks:
         """Runs ``initialize(args=None, model=None, optimizer=None, ..., config=None, ...)``;
         returns (engine, optimizer, training data loader, learning-rate scheduler)."""
         return initialize(*args, **kwargs)
+
+    def around_init_process_group(self, init: Callable[..., Any], *args: Any,
+                                  **kwargs: Any) -> Any:
+        """Runs ``torch.distributed.init_process_group(backend=None, ...)``."""
+        return init(*args, **kwargs)
+
+    def around_collective(self, name: str, collective: Callable[..., Any], *args: Any,
+                          **kwargs: Any) -> Any:
+        """Runs ``torch.distributed.<name>(...)``, one of :data:`SCRIPT_COLLECTIVES`."""
+        return collective(*args, **kwargs)
 
 
 _HOOKS: HookPoints[DeepSpeedHooks] = HookPoints(GROUP, "DeepSpeed hooks")
@@ -67,8 +89,32 @@ def _apply() -> Undo:
     return _HOOKS.undo_with(swap)
 
 
+def _apply_torch() -> Undo:
+    import torch.distributed as dist
+
+    swap = AttributeSwap()
+    _HOOKS.swap_to_hook(swap, "torch.distributed", "init_process_group",
+                        "around_init_process_group")
+    for name in SCRIPT_COLLECTIVES:
+        swap.set_attr(dist, name, _collective_hook(name, getattr(dist, name)))
+    return _HOOKS.undo_with(swap)
+
+
+def _collective_hook(name: str, collective: Callable[..., Any]) -> Callable[..., Any]:
+    def with_hooks(*args: Any, **kwargs: Any) -> Any:
+        return _HOOKS.installed().around_collective(name, collective, *args, **kwargs)
+
+    with_hooks.__wrapped__ = collective  # type: ignore[attr-defined]
+    return with_hooks
+
+
 register_patch(Patch(name="ds-entry-points", distribution="deepspeed",
                      tested_versions=TESTED_VERSIONS,
                      description="deepspeed.init_distributed and deepspeed.initialize run "
                                  "inside the installed hooks",
                      apply=_apply, groups=(GROUP,)))
+register_patch(Patch(name="torch-default-group", distribution="torch",
+                     tested_versions=">=2.13,<2.15",
+                     description="torch.distributed.init_process_group and the script's "
+                                 "collectives run inside the installed hooks",
+                     apply=_apply_torch, groups=(GROUP,)))

@@ -18,7 +18,7 @@ its first iteration).
 from __future__ import annotations
 
 import sys
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -39,12 +39,13 @@ class _Completed:
         return True
 
 
-def _handle(async_op: bool) -> Optional[_Completed]:
+def completed(async_op: bool) -> Optional[_Completed]:
+    """What a collective that completed locally returns: a handle if asked for one."""
     return _Completed() if async_op else None
 
 
-def _no_op(*args: Any, async_op: bool = False, **kwargs: Any) -> Optional[_Completed]:
-    return _handle(async_op)
+def no_op(*args: Any, async_op: bool = False, **kwargs: Any) -> Optional[_Completed]:
+    return completed(async_op)
 
 
 def _gather_object_locally(object_list: list[Any], obj: Any, group: Any = None) -> None:
@@ -56,7 +57,7 @@ def _gather_locally(tensor_list: list[torch.Tensor], tensor: torch.Tensor, *args
                     async_op: bool = False, **kwargs: Any) -> Optional[_Completed]:
     for item in tensor_list:
         item.copy_(tensor)
-    return _handle(async_op)
+    return completed(async_op)
 
 
 def _gather_into_tensor_locally(output_tensor: torch.Tensor, input_tensor: torch.Tensor,
@@ -66,16 +67,22 @@ def _gather_into_tensor_locally(output_tensor: torch.Tensor, input_tensor: torch
     with every slot this rank's tensor."""
     repeats = output_tensor.numel() // max(input_tensor.numel(), 1)
     output_tensor.copy_(input_tensor.repeat(repeats).view_as(output_tensor))
-    return _handle(async_op)
+    return completed(async_op)
+
+
+LOCAL_COLLECTIVES: dict[str, Callable[..., Any]] = {
+    **{name: no_op for name in ("all_reduce", "broadcast", "barrier", "send", "recv")},
+    "all_gather_object": _gather_object_locally,
+    "all_gather": _gather_locally,
+    "all_gather_into_tensor": _gather_into_tensor_locally,
+}
+"""Each collective of torch.distributed this module makes local, by name, as it acts."""
 
 
 def _apply() -> Undo:
     swap = AttributeSwap()
-    for name in ("all_reduce", "broadcast", "barrier", "send", "recv"):
-        swap.set_attr(dist, name, _no_op)
-    swap.set_attr(dist, "all_gather_object", _gather_object_locally)
-    swap.set_attr(dist, "all_gather", _gather_locally)
-    swap.set_attr(dist, "all_gather_into_tensor", _gather_into_tensor_locally)
+    for name, local in LOCAL_COLLECTIVES.items():
+        swap.set_attr(dist, name, local)
     return swap.restore
 
 

@@ -15,9 +15,10 @@ rank back to the last checkpoint. ``standby_shadow_iterations`` (default 0 here,
 flag's 2) makes each standby run its script that many iterations in the sandbox before it
 reports ready (:mod:`mover_plugin.deepspeed.shadow_run`).
 
-``mover-launch`` reads the block from the script's ``--deepspeed_config`` before anything
-starts, and the training script reads it again with :func:`load_ds_config`, which also returns
-the config without the block for ``deepspeed.initialize``.
+``mover-launch`` reads the block from the script's ``--deepspeed_config`` (or Hugging Face's
+``--deepspeed PATH.json``) before anything starts, and the training script reads it again with
+:func:`load_ds_config`, which also returns the config without the block for
+``deepspeed.initialize``.
 """
 
 from __future__ import annotations
@@ -27,12 +28,15 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
+from mover_plugin.contract import CONTROL_ADDR_ENV
 from mover_plugin.errors import ConfigError
 from mover_plugin.runtime.settings import ResilienceSettings
 
 BLOCK = "resilience"
 CONFIG_FLAGS = ("--deepspeed_config", "--deepspeed-config")
 """The script flags that name the DeepSpeed config (``deepspeed.add_config_arguments``)."""
+HF_CONFIG_FLAG = "--deepspeed"
+"""Hugging Face ``TrainingArguments``' flag for the DeepSpeed config's path."""
 _LAUNCH_KEYS = ("standbys", "peer_copy")
 DEFAULT_SHADOW_ITERATIONS = 0
 """A DeepSpeed standby's shadow run is opt-in: the script's own side effects (files it writes)
@@ -157,9 +161,44 @@ def _check_zero_stage(config: Mapping[str, Any], where: str) -> None:
 
 
 def config_path_in(script_args: Sequence[str]) -> Optional[str]:
-    """The value of ``--deepspeed_config`` among a script's arguments, if any."""
+    """The DeepSpeed config a script's arguments name, if any: ``--deepspeed_config PATH``
+    (``deepspeed.add_config_arguments``), else ``--deepspeed PATH.json`` (Hugging Face's
+    ``TrainingArguments``; DeepSpeed's own ``--deepspeed`` is a switch, so only a value ending
+    in ``.json`` counts)."""
+    named = _flag_value(script_args, CONFIG_FLAGS)
+    if named is not None:
+        return named
+    value = _flag_value(script_args, (HF_CONFIG_FLAG,))
+    return value if value is not None and value.endswith(".json") else None
+
+
+def block_under_launch(script_args: Sequence[str]) -> Optional[DeepSpeedResilience]:
+    """The enabled block of the config a script's arguments name, when the process runs
+    under ``mover-launch`` (its drop-in then drives the script); None otherwise."""
+    path = config_path_in(script_args)
+    block = None if path is None else load_ds_config(path)[1]
+    if block is None or not block.enabled or not os.environ.get(CONTROL_ADDR_ENV):
+        return None
+    return block
+
+
+def unseen_block_error(config: Any) -> Optional[str]:
+    """Why a config given to ``deepspeed.initialize`` (a dict or a path) cannot run as its
+    ``"resilience"`` block asks, when ``mover-launch`` did not find that config among the
+    script's arguments (a script that names it in code): None if it enables no block."""
+    values = read_config(config) if isinstance(config, str) else config
+    block = values.get(BLOCK) if isinstance(values, Mapping) else None
+    if block is None or not parse_block(block, "deepspeed.initialize's config").enabled:
+        return None
+    return (f'the DeepSpeed config given to deepspeed.initialize enables a "{BLOCK}" block, '
+            "but mover-launch found no config among the script's arguments, so the job would "
+            "run unprotected: name the config on the script's command line "
+            f"({' or '.join(CONFIG_FLAGS)} PATH, or Transformers' {HF_CONFIG_FLAG} PATH.json)")
+
+
+def _flag_value(script_args: Sequence[str], flags: Sequence[str]) -> Optional[str]:
     for index, arg in enumerate(script_args):
-        for flag in CONFIG_FLAGS:
+        for flag in flags:
             if arg == flag and index + 1 < len(script_args):
                 return script_args[index + 1]
             if arg.startswith(flag + "="):

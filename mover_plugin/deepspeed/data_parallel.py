@@ -33,10 +33,16 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from mover_plugin.deepspeed.engine_state import partitions_parameters, release_parameters
+from mover_plugin.deepspeed.engine_state import (
+    accumulation_boundary,
+    partitions_parameters,
+    release_parameters,
+    set_accumulation_boundary,
+)
 from mover_plugin.deepspeed.micro_batches import (
     MicroBatch,
     replay_loss,
+    fresh_stand_in,
     stand_in,
     tap,
 )
@@ -89,7 +95,8 @@ class DataParallelCalls:
         if not (torch.is_grad_enabled() and self._engine.module.training):
             if drop_in.catching_up:
                 return self._stand_in_for(inputs, kwargs)
-            return self._forward(*inputs, **kwargs)
+            with drop_in.between.paused():  # an evaluation's collectives are the engine's
+                return self._forward(*inputs, **kwargs)
         if drop_in.iteration is None:
             drop_in.start_training()
         if drop_in.behind > 0:
@@ -113,6 +120,7 @@ class DataParallelCalls:
         if not self._micro:
             return self._backward(loss, *args, **kwargs)
         record = self._micro[-1]
+        record.boundaries[_BACKWARD] = accumulation_boundary(self._engine)
 
         def again(output: Any) -> Any:
             self._backward(replay_loss(output, record), *args, **kwargs)
@@ -130,6 +138,7 @@ class DataParallelCalls:
         if not self._micro:
             return self._step(*args, **kwargs)
         record = self._micro[-1]
+        record.boundaries[_STEP] = accumulation_boundary(self._engine)
         boundary = self._closes_iteration()
 
         def call(_: Any = None) -> Any:
@@ -149,6 +158,7 @@ class DataParallelCalls:
         iteration = self._drop_in.iteration
         assert iteration is not None
         runtime = self._runtime
+        self._drop_in.between.iteration_begins()
         self._resilience.before_step()
         runtime.progress.step_begin(iteration + 1)
         started = time.perf_counter()
@@ -164,6 +174,7 @@ class DataParallelCalls:
         drop_in.iteration += 1
         runtime.progress.step_end(drop_in.iteration, time.perf_counter() - started)
         self._micro = []
+        drop_in.between.iteration_ended()
 
     def _attempt(self, record: MicroBatch, call: str, entry: RandomStreams,
                  first: Callable[[], Any], again: Callable[[Any], Any]) -> Any:
@@ -177,6 +188,7 @@ class DataParallelCalls:
                 if redo:
                     output = self._redo_before(record)
                     entry.restore()
+                    self._set_boundary(record, call)
                     result = again(output)
                 else:
                     result = first()
@@ -208,12 +220,19 @@ class DataParallelCalls:
                     micro.streams.restore()
                     output = self._run_forward(micro)
                 elif call == _BACKWARD:
+                    self._set_boundary(micro, call)
                     self._backward(replay_loss(output, micro))
                 else:
+                    self._set_boundary(micro, call)
                     self._step()
             if micro is current:
                 break
         return output
+
+    def _set_boundary(self, record: MicroBatch, call: str) -> None:
+        """The accumulation boundary as the script had set it for ``call`` of ``record``."""
+        if call in record.boundaries:
+            set_accumulation_boundary(self._engine, record.boundaries[call])
 
     def _run_forward(self, record: MicroBatch) -> Any:
         return tap(self._forward(*record.inputs, **record.kwargs), record)
@@ -223,7 +242,7 @@ class DataParallelCalls:
     def _stand_in_for(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self._stand_in is None:
             self._stand_in = stand_in(self._shape_forward(inputs, kwargs))
-        return self._stand_in
+        return fresh_stand_in(self._stand_in)
 
     def _prime_joiner(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """A joiner that had nothing to catch up on, at its first forward: at ZeRO stage 3 the
@@ -258,11 +277,17 @@ class DataParallelCalls:
 
     def _catch_up_step(self) -> None:
         """A ``step`` of a micro-batch the job trained: the last of an iteration's brings the
-        script one iteration closer to the job's."""
-        self._catch_up_micro += 1
+        script one iteration closer to the job's: a script that sets the boundary itself (as
+        Accelerate does, calling ``step`` only there) says which is the last."""
         engine = self._engine
-        if (not engine.managed_gradient_accumulation()
-                or self._catch_up_micro == engine.gradient_accumulation_steps()):
+        boundary = accumulation_boundary(engine)
+        self._catch_up_micro += 1
+        if boundary is not None:
+            last = bool(boundary)
+        else:
+            last = (not engine.managed_gradient_accumulation()
+                    or self._catch_up_micro == engine.gradient_accumulation_steps())
+        if last:
             self._catch_up_micro = 0
             self._drop_in.caught_up_one()
 

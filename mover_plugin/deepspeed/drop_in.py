@@ -15,6 +15,10 @@ the same runtime as a script written against the API
   DeepSpeed's backend. A joiner's collectives stay local from here until its first iteration
   (``local-collectives``): its start-up's collectives have no partner in a running job, and
   what they produce is replaced by the state it receives.
+- ``torch.distributed.init_process_group`` made by the script before any of DeepSpeed's
+  (Accelerate does on CPU, for a Transformers ``Trainer`` script): as above, the runtime makes
+  the default group instead. For such a script the worker command imports ``deepspeed`` right
+  after torch, so that the hooks are in place before that call.
 - ``deepspeed.initialize``: the engine's groups cover WORLD (a pipeline engine's grid, a
   data-parallel engine's data-parallel group), its optimizer update waits for the commit, and
   its training calls and ``save_checkpoint`` (and a pipeline engine's ``eval_batch``) are
@@ -28,6 +32,9 @@ the same runtime as a script written against the API
   from its first ``forward`` to the ``step`` on the accumulation boundary, and a lost peer in
   any of its calls is recovered inside that call, the iteration's earlier calls redone from
   what was recorded at them (:mod:`mover_plugin.deepspeed.data_parallel`).
+- The script's collectives between two iterations (the Trainer's gathers) are recorded, and a
+  joiner's script is answered from the record once it has caught up
+  (:mod:`mover_plugin.deepspeed.between_calls`).
 - A planned switch happens at the start of an iteration (a ``train_batch``, or the first
   ``forward``), so that the leaver, not the joiner, takes part in whatever collectives the
   script runs between two iterations.
@@ -43,9 +50,10 @@ Limits: ZeRO stage 0 to 3, without offload (refused before the job starts); a lo
 recovered in place when a live peer holds a copy of its optimizer shard (``"peer_copy":
 true``); otherwise the job restarts and the script resumes from its own checkpoint, because an
 unmodified script's loop cannot go back in place. The script must read its data in the same
-order on every start (a replay of the same loader from the step its checkpoint holds), run no
-collective of its own between two calls that a lost peer could leave hanging, and, with a
-data-parallel engine, call ``engine.backward(loss)`` (not ``loss.backward()``).
+order on every start (a replay of the same loader from the step its checkpoint holds), and,
+with a data-parallel engine, call ``engine.backward(loss)`` (not ``loss.backward()``). A peer
+lost inside a collective the script makes between two calls ends the script (the job
+restarts).
 """
 
 from __future__ import annotations
@@ -59,12 +67,14 @@ from typing import Any, Callable, Optional
 import torch
 
 from mover_plugin.contract import CONTROL_ADDR_ENV
+from mover_plugin.deepspeed.between_calls import BetweenCalls, Mode
 from mover_plugin.deepspeed.config import DeepSpeedResilience as ResilienceBlock
-from mover_plugin.deepspeed.config import config_path_in, load_ds_config
+from mover_plugin.deepspeed.config import block_under_launch, unseen_block_error
 from mover_plugin.deepspeed.data_parallel import DataParallelCalls
 from mover_plugin.deepspeed.engine_state import is_pipeline_engine
 from mover_plugin.deepspeed.resilience import DeepSpeedResilience
 from mover_plugin.deepspeed.shadow_run import ShadowRun, shadow_rank
+from mover_plugin.errors import ConfigError
 from mover_plugin.patches import AppliedPatches, apply_inactive_patches, apply_patches
 from mover_plugin.patches.deepspeed_hooks import DeepSpeedHooks, install_hooks
 from mover_plugin.runtime.replay import ReplayableIterator
@@ -81,15 +91,33 @@ torch.distributed (the engine's own are not run)."""
 
 def after_deepspeed_import() -> None:
     """What the worker command arranges once the script imported ``deepspeed``."""
-    block = _resilience_block(sys.argv[1:])
-    resilient = block is not None and block.enabled and bool(os.environ.get(CONTROL_ADDR_ENV))
+    block = block_under_launch(sys.argv[1:])
     if not torch.cuda.is_available():
         apply_inactive_patches("deepspeed-cpu")
-    elif resilient:
+    elif block is not None:
         apply_inactive_patches("deepspeed-resilience")
-    if resilient:
+    if block is not None:
         DropIn.installed = DropIn(block)
         install_hooks(DropIn.installed)
+    elif os.environ.get(CONTROL_ADDR_ENV):
+        install_hooks(UnseenBlockCheck())
+
+
+class UnseenBlockCheck(DeepSpeedHooks):
+    """Under ``mover-launch``, for a script whose arguments name no config with the block:
+    ``deepspeed.initialize`` given one that enables it (a Transformers script that sets
+    ``TrainingArguments(deepspeed=...)`` in code) fails with the reason, instead of training
+    unprotected without a word."""
+
+    def around_initialize(self, initialize: Callable[..., Any], *args: Any,
+                          **kwargs: Any) -> Any:
+        script_args = kwargs.get("args", args[0] if args else None)
+        for config in (kwargs.get("config"), kwargs.get("config_params"),
+                       getattr(script_args, "deepspeed_config", None)):
+            why = None if config is None else unseen_block_error(config)
+            if why is not None:
+                raise ConfigError(why)
+        return initialize(*args, **kwargs)
 
 
 def finish() -> None:
@@ -112,11 +140,6 @@ def after_shadow_run() -> None:
     DropIn.installed.after_shadow_run()
 
 
-def _resilience_block(script_args: list[str]) -> Optional[ResilienceBlock]:
-    path = config_path_in(script_args)
-    return None if path is None else load_ds_config(path)[1]
-
-
 class DropIn(DeepSpeedHooks):
     """The runtime entered from DeepSpeed's public API (module docstring)."""
 
@@ -136,8 +159,12 @@ class DropIn(DeepSpeedHooks):
         """A joiner's catch-up: the calls it had to make, and when it began."""
         self._distributed = False
         """Whether the runtime's groups are up (after a standby's promotion)."""
+        self._starting = False
+        """Whether :meth:`_start_distributed` runs (its own default group passes through)."""
         self._shadow: Optional[ShadowRun] = None
         """A standby's shadow run, once it began."""
+        self.between = BetweenCalls()
+        """The script's collectives between iterations (recorded, or a joiner's replayed)."""
 
     # -- a standby's shadow run -----------------------------------------------------------
 
@@ -186,22 +213,62 @@ class DropIn(DeepSpeedHooks):
 
     def around_init_distributed(self, init: Callable[..., Any], *args: Any,
                                 **kwargs: Any) -> Any:
-        if self._distributed or self.shadow_running or (
-                self.resilience is None and DeepSpeedResilience.started is not None):
-            return init(*args, **kwargs)  # set up already, or a script that drives the runtime
-        if self.resilience is None:
-            self.resilience = DeepSpeedResilience.start(self.block, wait=False)
-        if self._shadow is None and self._begin_shadow_run():
-            return init(*args, **kwargs)  # on the sandbox's group
-        self.resilience.wait_if_standby(warmed=self._shadow is not None
-                                        and self._shadow.engine_built)
-        self._distributed = True
-        self.resilience.runtime.switch_at_next_step()
-        self.resilience.initialize_distributed()
-        result = init(*args, **kwargs)
-        if self.resilience.runtime.joiner_of is not None:
+        if not self._passes_through():
+            self._start_distributed()
+        return self._with_backend_references(init, *args, **kwargs)
+
+    def around_init_process_group(self, init: Callable[..., Any], *args: Any,
+                                  **kwargs: Any) -> Any:
+        """The script's own default group, made before DeepSpeed's call (Accelerate does on
+        CPU): the runtime makes it instead, on the generation's store; otherwise as
+        :meth:`around_init_distributed`."""
+        if self._starting or self._passes_through():
+            return init(*args, **kwargs)
+        self._start_distributed()
+        return None
+
+    def around_collective(self, name: str, collective: Callable[..., Any], *args: Any,
+                          **kwargs: Any) -> Any:
+        return self.between.around(name, collective, *args, **kwargs)
+
+    def _passes_through(self) -> bool:
+        """Whether a call that would start distributed training runs as it is: set up already,
+        in the shadow run, or a script that drives the runtime itself."""
+        return self._distributed or self.shadow_running or (
+            self.resilience is None and DeepSpeedResilience.started is not None)
+
+    def _start_distributed(self) -> None:
+        """The runtime connects to ``mover-launch``; a standby begins its shadow run (on the
+        sandbox's group) or waits for its promotion; then the generation's default group. A
+        joiner's collectives act locally from here (module docstring)."""
+        self._starting = True
+        try:
+            if self.resilience is None:
+                self.resilience = DeepSpeedResilience.start(self.block, wait=False)
+            if self._shadow is None and self._begin_shadow_run():
+                return
+            self.resilience.wait_if_standby(warmed=self._shadow is not None
+                                            and self._shadow.engine_built)
+            self._distributed = True
+            self.resilience.runtime.switch_at_next_step()
+            self.resilience.initialize_distributed()
+            if self.resilience.runtime.joiner_of is not None:
+                self._local = apply_patches(_LOCAL_COLLECTIVES)
+        finally:
+            self._starting = False
+
+    def _with_backend_references(self, init: Callable[..., Any], *args: Any,
+                                 **kwargs: Any) -> Any:
+        """DeepSpeed's ``init_distributed``: the backend it creates takes references to two of
+        torch.distributed's collectives, so a joiner's local ones are put back around it and
+        applied again after (then to the backend's references too)."""
+        if self._local is None or self.iteration is not None:
+            return init(*args, **kwargs)
+        self._local.revert()
+        try:
+            return init(*args, **kwargs)
+        finally:
             self._local = apply_patches(_LOCAL_COLLECTIVES)
-        return result
 
     def around_initialize(self, initialize: Callable[..., Any], *args: Any,
                           **kwargs: Any) -> Any:
@@ -217,6 +284,9 @@ class DropIn(DeepSpeedHooks):
             return result
         engine = self._engine = result[0]
         self.resilience.adopt_engine(engine)
+        self.resilience.between = self.between
+        if self.resilience.runtime.joiner_of is None:
+            self.between.iteration_ended()
         self.resilience.attach(engine, load=_no_rollback_in_place)
         engine.save_checkpoint = self._unless_catching_up(engine.save_checkpoint, True)
         if is_pipeline_engine(engine):
@@ -241,6 +311,7 @@ class DropIn(DeepSpeedHooks):
         source = self._replayable(data_iter)
         iteration = self.iteration
         progress = resilience.progress
+        self.between.iteration_begins()
         resilience.before_step()
         progress.step_begin(iteration + 1)
         started = time.perf_counter()
@@ -253,6 +324,7 @@ class DropIn(DeepSpeedHooks):
 
         loss, self.iteration = resilience.run_step(iteration, step)
         progress.step_end(self.iteration, time.perf_counter() - started)
+        self.between.iteration_ended()
         return _nan() if loss is None else loss
 
     def start_training(self) -> None:
@@ -269,6 +341,7 @@ class DropIn(DeepSpeedHooks):
         self.behind = self.iteration - started_at
         if self.behind == 0:
             resilience.continue_streams()
+            self._joined_without_catch_up()
         if resilience.runtime.joiner_of is not None and self.behind > 0:
             self._local = apply_patches(_CATCH_UP_LOCAL)
             self._catch_up_began = (self.behind, time.perf_counter())
@@ -280,13 +353,30 @@ class DropIn(DeepSpeedHooks):
         """The joiner's script reached the job's iteration: its collectives reach the job
         again, and the controller hears how long the catch-up took (the running ranks wait
         for it in their first collective with the joiner)."""
-        assert self._local is not None and self.resilience is not None
-        self._local.revert()
-        self._local = None
+        assert self.resilience is not None
+        if self._local is not None:
+            self._local.revert()
+            self._local = None
         steps, started = self._catch_up_began
+        self._post_caught_up(steps, time.perf_counter() - started, self.between.end_replay())
+
+    def _joined_without_catch_up(self) -> None:
+        """A joiner whose script is at the job's iteration already: what its script's
+        collectives between iterations would have needed was made while it was built."""
+        assert self.resilience is not None
+        if self.resilience.runtime.joiner_of is None:
+            return
+        inexact = self.between.missed(self.resilience.received_between)
+        if inexact is not None:
+            self._post_caught_up(0, 0.0, inexact)
+
+    def _post_caught_up(self, steps: int, seconds: float, inexact: Optional[str]) -> None:
+        assert self.resilience is not None
         runtime = self.resilience.runtime
-        runtime.control.post("caught_up", rank=runtime.rank, steps=steps,
-                             catch_up_s=time.perf_counter() - started)
+        if inexact is not None:
+            logger.warning("rank %d: the recovery may be inexact: %s", runtime.rank, inexact)
+        runtime.control.post("caught_up", rank=runtime.rank, steps=steps, catch_up_s=seconds,
+                             replayed=self.between.replayed, inexact=inexact)
 
     def _catch_up(self, data_iter: Any) -> Any:
         """A call the joiner's script makes for an iteration the job has trained: draws and
@@ -306,8 +396,11 @@ class DropIn(DeepSpeedHooks):
         what that rank drew between its step and the next."""
         self.behind -= 1
         if self.behind == 0:
-            assert self.resilience is not None
+            assert self.resilience is not None and self._local is not None
             self.resilience.continue_streams()
+            self._local.revert()
+            self._local = None
+            self.between.replay(self.resilience.received_between)
 
     def _replayable(self, data_iter: Any) -> Optional[ReplayableIterator]:
         """The iterator this call reads, wrapped to record (None on a stage that reads none)."""
@@ -322,12 +415,16 @@ class DropIn(DeepSpeedHooks):
         """A joiner's script is still in a step the job trained before it came: from its
         first iteration until its first real one (the loop body after its last catch-up
         iteration included)."""
-        return self.iteration is not None and self._local is not None
+        return self.iteration is not None and (self._local is not None
+                                               or self.between.mode is Mode.REPLAY)
 
     def _unless_catching_up(self, method: Callable[..., Any],
                             instead: Any) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
-            return instead if self.catching_up else method(*args, **kwargs)
+            if self.catching_up:
+                return instead
+            with self.between.paused():
+                return method(*args, **kwargs)
 
         return call
 

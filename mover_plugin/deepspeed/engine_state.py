@@ -6,7 +6,8 @@
   shapes on every rank of a data-parallel group (ZeRO pads the partitions to one size). A fresh
   optimizer has no state until its first step; :func:`ensure_optimizer_state` creates it
   (zeros) so that a joiner can receive a shard in place. Without ZeRO (stage 0) the optimizer
-  state is replicated and the "shard" is the whole of it.
+  state is replicated and the "shard" is the whole of it. DeepSpeed's own Adams count steps in
+  Python ints, which travel apart (:func:`optimizer_steps` / :func:`set_optimizer_steps`).
 - :func:`module_tensors`: the rest of a rank's state, its module's parameters and buffers (at
   stage 3 its buffers and frozen parameters' partitions; :func:`refresh_parameter_partitions`
   casts the trained parameters' partitions from a received shard).
@@ -15,7 +16,11 @@
   streams from it before each forward, so a redo and a joiner need it to draw as before);
   :func:`loss_scale_state` / :func:`restore_loss_scale_state`: fp16's dynamic loss scale;
   :func:`hyperparameters` / :func:`set_hyperparameters`: the optimizer's parameter-group
-  settings, which the learning-rate scheduler sets after each update.
+  settings, which the learning-rate scheduler sets after each update;
+  :func:`accumulation_boundary` / :func:`set_accumulation_boundary`: the boundary a script
+  sets itself before a backward, which a redone backward needs as it was;
+  :func:`last_grad_norm` / :func:`set_last_grad_norm`: the last update's gradient norm, which
+  a joiner's script reads before its first update.
 - :func:`reset_interrupted_step`: what an iteration that was left in the middle leaves
   behind — accumulated gradients, ZeRO's reduction buckets, its stage-2 partition buffer and
   backward bookkeeping, at stage 3 the gathered parameters and the prefetch trace
@@ -106,13 +111,21 @@ def ensure_optimizer_state(engine: Any) -> None:
     for tensor in tensors:
         state = optimizer.state[tensor]
         if not state:
-            state["step"] = torch.tensor(0.0)
+            state["step"] = 0 if _steps_in_python(optimizer) else torch.tensor(0.0)
             state["exp_avg"] = torch.zeros_like(tensor, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(tensor, memory_format=torch.preserve_format)
 
 
+def _steps_in_python(optimizer: Any) -> bool:
+    """Whether the optimizer counts each state's steps in a Python int: DeepSpeed's own
+    Adams (``FusedAdam``, its default for ``"Adam"``/``"AdamW"``; ``DeepSpeedCPUAdam``) hand
+    the count to their kernels as a number; torch's Adam keeps a tensor."""
+    return type(optimizer).__module__.startswith("deepspeed.ops.")
+
+
 def shard_tensors(engine: Any) -> list[torch.Tensor]:
-    """This rank's optimizer shard as live tensors (writing into them changes the shard)."""
+    """This rank's optimizer shard as live tensors (writing into them changes the shard). A
+    step counted in a Python int is not among them (:func:`optimizer_steps`)."""
     optimizer, tensors = _optimized_tensors(engine)
     shard = []
     for tensor in tensors:
@@ -122,8 +135,26 @@ def shard_tensors(engine: Any) -> list[torch.Tensor]:
             raise KeyError(f"optimizer state lacks {missing}: mover_plugin handles Adam/AdamW "
                            "state (step, exp_avg, exp_avg_sq)")
         shard.append(tensor.data)
-        shard.extend(state[key].view(-1) if key == "step" else state[key] for key in _ADAM_STATE)
+        if isinstance(state["step"], torch.Tensor):
+            shard.append(state["step"].view(-1))
+        shard.extend((state["exp_avg"], state["exp_avg_sq"]))
     return shard
+
+
+def optimizer_steps(engine: Any) -> list[Any]:
+    """Each optimized tensor's step where the optimizer counts it in a Python int (None where
+    it is a tensor of the shard). Every rank of a data-parallel group updates together, so
+    a live rank's steps are also those of the rank it replaces."""
+    optimizer, tensors = _optimized_tensors(engine)
+    steps = (optimizer.state[tensor].get("step") for tensor in tensors)
+    return [None if isinstance(step, torch.Tensor) else step for step in steps]
+
+
+def set_optimizer_steps(engine: Any, steps: list[Any]) -> None:
+    optimizer, tensors = _optimized_tensors(engine)
+    for tensor, step in zip(tensors, steps, strict=True):
+        if step is not None:
+            optimizer.state[tensor]["step"] = step
 
 
 def hyperparameters(engine: Any) -> list[dict[str, Any]]:
@@ -164,6 +195,30 @@ def counters(engine: Any) -> dict[str, int]:
 def restore_counters(engine: Any, values: dict[str, int]) -> None:
     for name, value in values.items():
         setattr(engine.module if name == _FORWARDS else engine, name, value)
+
+
+def last_grad_norm(engine: Any) -> Any:
+    """The gradient norm of the last update (``get_global_grad_norm``: the same on every rank;
+    the Transformers Trainer logs it)."""
+    return engine.get_global_grad_norm()
+
+
+def set_last_grad_norm(engine: Any, norm: Any) -> None:
+    engine._global_grad_norm = norm
+
+
+def accumulation_boundary(engine: Any) -> Any:
+    """The accumulation boundary the script set (``set_gradient_accumulation_boundary``, as
+    Accelerate does before each backward), or None where the engine counts micro-batches."""
+    return engine._is_gradient_accumulation_boundary
+
+
+def set_accumulation_boundary(engine: Any, boundary: Any) -> None:
+    """Sets the boundary back to what :func:`accumulation_boundary` returned."""
+    if boundary is None:
+        engine._is_gradient_accumulation_boundary = None
+    else:
+        engine.set_gradient_accumulation_boundary(boundary)
 
 
 def reset_interrupted_step(engine: Any) -> None:

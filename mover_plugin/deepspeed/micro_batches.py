@@ -48,6 +48,9 @@ class MicroBatch:
     output_grads: Optional[list[Optional[torch.Tensor]]] = None
     done: list[str] = field(default_factory=list)
     """The calls made for it that completed, in order: ``forward``, ``backward``, ``step``."""
+    boundaries: dict[str, Any] = field(default_factory=dict)
+    """The engine's accumulation boundary as the script had set it when each call began
+    (``backward``, ``step``; None where the engine counts micro-batches)."""
 
 
 def _differentiable(leaf: Any) -> bool:
@@ -55,12 +58,18 @@ def _differentiable(leaf: Any) -> bool:
 
 
 class _Tap(torch.autograd.Function):
-    """Identity; its backward keeps the gradients that pass through it."""
+    """Identity; its backward keeps the gradients that pass through it. Its outputs alias
+    its inputs' storage without being views of them, so the script may modify them in place
+    (the Transformers Trainer scales its loss so). Only the gradient the script's own code
+    gives an output passes here: one output computed from another inside the model (a loss
+    from the logits) reaches it through the model's graph, not through this function, and an
+    output the script does not use gets None (nothing is allocated for it)."""
 
     @staticmethod
     def forward(ctx: Any, record: MicroBatch, *tensors: torch.Tensor) -> Any:  # type: ignore[override]
         ctx.record = record
-        return tuple(tensor.view_as(tensor) for tensor in tensors)
+        ctx.set_materialize_grads(False)
+        return tuple(tensor.detach() for tensor in tensors)
 
     @staticmethod
     def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> Any:  # type: ignore[override]
@@ -83,8 +92,9 @@ class _Replay(torch.autograd.Function):
 
 
 def tap(outputs: Any, record: MicroBatch) -> Any:
-    """``outputs`` (a tensor, or a tuple, list or dict of them) with every tensor that
-    requires a gradient passed through :class:`_Tap`, which fills ``record.output_grads``."""
+    """``outputs`` (a tensor, or a tuple, list, dict or other pytree of them) with every
+    tensor that requires a gradient passed through :class:`_Tap`, which fills
+    ``record.output_grads``."""
     leaves, spec = pytree.tree_flatten(outputs)
     positions = [i for i, leaf in enumerate(leaves) if _differentiable(leaf)]
     if not positions:
@@ -110,9 +120,9 @@ def replay_loss(outputs: Any, record: MicroBatch) -> torch.Tensor:
 
 
 def stand_in(outputs: Any) -> Any:
-    """What a joiner's catch-up returns for a forward the job already trained: ``outputs``'
-    structure, detached, floating-point values NaN (so the script's loss is NaN), each
-    tensor requiring a gradient so that a script's backward call goes through."""
+    """What a joiner's catch-up returns for a forward the job already trained, made from a
+    forward's ``outputs`` once: their structure, detached, floating-point values NaN (so the
+    script's loss is NaN). Give the script :func:`fresh_stand_in` of it."""
     def replace(leaf: Any) -> Any:
         if not isinstance(leaf, torch.Tensor):
             return leaf
@@ -122,3 +132,13 @@ def stand_in(outputs: Any) -> Any:
         return torch.full_like(leaf, float("nan")).requires_grad_()
 
     return pytree.tree_map(replace, outputs)
+
+
+def fresh_stand_in(template: Any) -> Any:
+    """A copy of a :func:`stand_in` for one forward: each floating-point tensor a new one
+    that requires a gradient and is not a leaf, so that a script's backward call goes
+    through and the script may scale its loss in place (the Transformers Trainer does)."""
+    def copy(leaf: Any) -> Any:
+        return leaf.clone() if isinstance(leaf, torch.Tensor) else leaf
+
+    return pytree.tree_map(copy, template)

@@ -61,11 +61,14 @@ import torch.distributed as dist
 
 from mover_plugin.comm.world import cover_world
 from mover_plugin.contract import GenerationPlan
+from mover_plugin.deepspeed.between_calls import BetweenCalls, Recorded
 from mover_plugin.deepspeed.config import DeepSpeedResilience as ResilienceBlock
 from mover_plugin.deepspeed.engine_state import (
     counters,
     data_parallel_group,
     ensure_optimizer_state,
+    last_grad_norm,
+    optimizer_steps,
     is_pipeline_engine,
     loss_scale_state,
     module_tensors,
@@ -77,6 +80,8 @@ from mover_plugin.deepspeed.engine_state import (
     hyperparameters,
     restore_counters,
     set_hyperparameters,
+    set_last_grad_norm,
+    set_optimizer_steps,
     shard_tensors,
     zero_optimizer,
 )
@@ -134,6 +139,10 @@ class DeepSpeedResilience:
         self._joined_streams: Optional[RandomStreams] = None
         """A joiner's streams, from the state it received until its first iteration begins
         (:meth:`continue_streams`)."""
+        self.between: Optional[BetweenCalls] = None
+        """The script's collectives between iterations, recorded (an unmodified script's
+        drop-in sets it; a joiner receives the open iteration's)."""
+        self.received_between: list[Recorded] = []
         self.runtime = ResilienceRuntime.connect(block.settings, self)
         self._layout = None if pipeline_parallel_size is None else ParallelLayout.for_world(
             self.runtime.world_size, 1, pipeline_parallel_size)
@@ -411,8 +420,11 @@ class DeepSpeedResilience:
 
     def state_blob(self) -> dict[str, Any]:
         scheduler = self._engine.lr_scheduler
+        between = [] if self.between is None else self.between.before_open_iteration()
         return {"scheduler": scheduler.state_dict() if scheduler is not None else None,
-                "hyperparameters": hyperparameters(self._engine)}
+                "hyperparameters": hyperparameters(self._engine),
+                "optimizer_steps": optimizer_steps(self._engine), "between_calls": between,
+                "grad_norm": last_grad_norm(self._engine)}
 
     def load_state(self, state: dict[str, Any], transfer: Transfer) -> None:
         self._joined_streams = RandomStreams.unpacked(self._received_streams)
@@ -420,6 +432,9 @@ class DeepSpeedResilience:
             self._engine.lr_scheduler.load_state_dict(state["scheduler"])
         # The scheduler sets the learning rate only after the next update.
         set_hyperparameters(self._engine, state["hyperparameters"])
+        set_optimizer_steps(self._engine, state["optimizer_steps"])
+        self.received_between = state["between_calls"]
+        set_last_grad_norm(self._engine, state["grad_norm"])
         if partitions_parameters(self._engine):
             refresh_parameter_partitions(self._engine)
             release_parameters(self._engine)  # gathered again from the received partitions

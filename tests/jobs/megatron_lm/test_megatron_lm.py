@@ -295,7 +295,10 @@ def test_a_script_that_imports_no_framework_runs_through_the_worker_command_unch
 
 
 def test_first_import_hook_runs_around_the_module_code_once(tmp_path, monkeypatch):
+    """Also when the spec was asked for first without importing (Transformers asks so
+    whether DeepSpeed is installed)."""
     import builtins
+    import importlib.util
 
     from mover_plugin.launch.run import FirstImportHook
 
@@ -309,6 +312,8 @@ def test_first_import_hook_runs_around_the_module_code_once(tmp_path, monkeypatc
                            lambda: calls.append("after"))
     hook.install()
     try:
+        assert importlib.util.find_spec("hooked_package") is not None
+        assert calls == [] and hook in sys.meta_path
         import hooked_package  # noqa: F401
 
         import hooked_package as again  # noqa: F401

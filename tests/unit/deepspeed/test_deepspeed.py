@@ -60,6 +60,16 @@ def test_the_block_is_taken_out_of_the_config_for_deepspeed(tmp_path):
     assert config_path_in(["--lr", "1"]) is None
 
 
+def test_a_transformers_script_names_its_config_with_deepspeed_and_a_json_path():
+    """``TrainingArguments``' ``--deepspeed PATH``; DeepSpeed's own ``--deepspeed`` is a
+    switch, so a value counts only if it is a ``.json`` path, and ``--deepspeed_config`` wins."""
+    assert config_path_in(["--output_dir", "o", "--deepspeed", "ds.json"]) == "ds.json"
+    assert config_path_in(["--deepspeed=conf/ds.json"]) == "conf/ds.json"
+    assert config_path_in(["--deepspeed", "--steps", "3"]) is None
+    assert config_path_in(["--deepspeed", "data.txt"]) is None
+    assert config_path_in(["--deepspeed", "a.json", "--deepspeed_config", "b.json"]) == "b.json"
+
+
 def test_the_example_flags_are_checked_against_world_and_config(tmp_path):
     good = write_config(tmp_path)
     args = parse_args(["--deepspeed_config", good], world_size=4)
@@ -148,20 +158,22 @@ def test_otherwise_every_rank_rolls_back(records, reason):
 def test_the_deepspeed_patches_apply_and_revert():
     import importlib
 
+    from deepspeed.ops.adam import FusedAdam
     from deepspeed.runtime.pipe.engine import PipelineEngine
 
     from mover_plugin.patches import apply_patches
 
     backend = importlib.import_module("deepspeed.comm.torch")
     originals = (backend.build_shm_op, backend.TorchBackend.new_group,
-                 PipelineEngine.train_batch)
+                 PipelineEngine.train_batch, FusedAdam.step)
     with apply_patches("deepspeed-cpu") as applied:
-        assert applied.names == ("no-shm-op", "local-rank", "subgroup-timeout",
-                                 "reentrant-train-batch")
+        assert applied.names == ("no-shm-op", "cpu-adam-powers", "local-rank",
+                                 "subgroup-timeout", "reentrant-train-batch")
         assert backend.build_shm_op() is None
         assert PipelineEngine.train_batch is not originals[2]
+        assert FusedAdam.step is not originals[3]
     assert (backend.build_shm_op, backend.TorchBackend.new_group,
-            PipelineEngine.train_batch) == originals
+            PipelineEngine.train_batch, FusedAdam.step) == originals
     # On GPUs a resilient job applies those not about the CPU: no shared-memory op skipped.
     with apply_patches("deepspeed-resilience") as applied:
         assert applied.names == ("local-rank", "subgroup-timeout", "reentrant-train-batch")
@@ -192,3 +204,29 @@ def test_the_fp16_loss_scale_is_captured_and_restored_whole():
     assert loss_scale_state(engine) == before == {
         "cur_scale": 2.0**16, "cur_iter": 0, "last_overflow_iter": -1, "cur_hysteresis": 2}
     assert loss_scale_state(SimpleNamespace(optimizer=object())) == {}
+
+
+def test_a_block_mover_launch_could_not_see_fails_deepspeed_initialize_with_the_reason(tmp_path):
+    """A script that names its config in code (``TrainingArguments(deepspeed=...)``): under
+    mover-launch its ``deepspeed.initialize`` refuses a config that enables the block."""
+    from types import SimpleNamespace
+
+    from mover_plugin.deepspeed.config import unseen_block_error
+    from mover_plugin.deepspeed.drop_in import UnseenBlockCheck
+
+    enabled = {**BASE, "resilience": {"standbys": 1}}
+    path = write_config(tmp_path, resilience={"standbys": 1})
+    assert unseen_block_error(BASE) is None
+    assert unseen_block_error({**BASE, "resilience": {"enabled": False}}) is None
+    assert "--deepspeed_config or --deepspeed-config PATH" in unseen_block_error(enabled)
+    assert unseen_block_error(path) == unseen_block_error(enabled)
+
+    check = UnseenBlockCheck()
+    built = []
+    initialize = lambda *args, **kwargs: built.append(kwargs) or "engine"  # noqa: E731
+    for kwargs in ({"config_params": enabled}, {"config": path},
+                   {"args": SimpleNamespace(deepspeed_config=path)}):
+        with pytest.raises(ConfigError, match="would run unprotected"):
+            check.around_initialize(initialize, model=None, **kwargs)
+    assert built == []
+    assert check.around_initialize(initialize, model=None, config=BASE) == "engine"

@@ -8,6 +8,7 @@ import torch
 from mover_plugin.deepspeed.micro_batches import (
     MicroBatch,
     ReplayError,
+    fresh_stand_in,
     replay_loss,
     stand_in,
     tap,
@@ -72,3 +73,36 @@ def test_a_stand_in_keeps_the_structure_with_nan_values():
     assert torch.equal(outputs["parts"][1], torch.arange(3)) and outputs["name"] == "x"
     scripts_loss(outputs).backward()  # a script's own backward call goes through
     assert all(parameter.grad is None for parameter in model.parameters())
+
+
+def test_an_output_computed_from_another_and_a_loss_scaled_in_place_replay_exactly():
+    """A Transformers model returns its loss with its logits (the loss computed from them
+    inside the model), and the Trainer scales that loss in place before its backward: the
+    replay gives the logits only what the script's own code gave them."""
+    model, inputs = model_and_inputs()
+
+    def forward_with_loss():
+        logits = model(inputs)
+        return {"loss": logits.log_softmax(-1)[:, 1].mean(), "logits": logits}
+
+    record = MicroBatch((inputs,), {}, RandomStreams.capture())
+    outputs = tap(forward_with_loss(), record)
+    loss = outputs["loss"]
+    loss *= 3  # the Trainer's in-place scaling
+    loss.backward()
+    original = gradients(model)
+    assert record.output_grads is not None and record.output_grads[1] is None  # logits unused
+
+    model.zero_grad(set_to_none=True)
+    record.streams.restore()
+    replay_loss(forward_with_loss(), record).backward()
+    assert all(torch.equal(a, b) for a, b in zip(original, gradients(model)))
+
+
+def test_a_fresh_stand_in_may_be_scaled_in_place():
+    model, inputs = model_and_inputs()
+    template = stand_in({"loss": model(inputs).sum(), "logits": model(inputs)})
+    outputs = fresh_stand_in(template)
+    loss = outputs["loss"]
+    loss *= 3
+    assert torch.isnan(loss) and torch.isnan(template["loss"]) and loss is not template["loss"]
