@@ -13,7 +13,7 @@ from mover_plugin.testing import run_command
 from support.paths import SCRIPTS
 
 SCRIPT = str(SCRIPTS / "hf_trainer_train.py")
-STEPS = 40
+STEPS = 60
 """Long enough for a migration requested at step 3 (its joiner builds the Trainer while the job
 trains, at least STEP_TIME_S per step) and the SIGKILL held back until it ended."""
 STEP_TIME_S = 0.3
