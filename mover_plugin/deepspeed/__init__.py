@@ -1,2 +1,3 @@
-"""DeepSpeed adapter: the ``"resilience"`` config block and the runtime of a DeepSpeed
-pipeline (``PipelineModule``, ZeRO 0/1) training process."""
+"""DeepSpeed adapter: the ``"resilience"`` config block, the runtime of a DeepSpeed training
+process (a ``PipelineModule``, or a data-parallel engine at ZeRO 0 to 3), and the drop-in that
+drives it from an unmodified script or a Transformers ``Trainer`` script."""
