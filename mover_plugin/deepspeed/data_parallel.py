@@ -41,8 +41,8 @@ from mover_plugin.deepspeed.engine_state import (
 )
 from mover_plugin.deepspeed.micro_batches import (
     MicroBatch,
-    replay_loss,
     fresh_stand_in,
+    replay_loss,
     stand_in,
     tap,
 )

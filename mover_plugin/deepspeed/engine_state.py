@@ -151,6 +151,7 @@ def optimizer_steps(engine: Any) -> list[Any]:
 
 
 def set_optimizer_steps(engine: Any, steps: list[Any]) -> None:
+    """Sets the steps :func:`optimizer_steps` returned (on another rank)."""
     optimizer, tensors = _optimized_tensors(engine)
     for tensor, step in zip(tensors, steps, strict=True):
         if step is not None:
@@ -204,6 +205,7 @@ def last_grad_norm(engine: Any) -> Any:
 
 
 def set_last_grad_norm(engine: Any, norm: Any) -> None:
+    """What ``get_global_grad_norm`` returns until the next update."""
     engine._global_grad_norm = norm
 
 
