@@ -11,11 +11,11 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, Sequence
 
 from mover_plugin.devices import (
-    VISIBLE_ENV,
     HostGpus,
     check_host_fits,
     driver_gpu_count,
     gpus_on_host,
+    visible_ids,
 )
 from mover_plugin.errors import ConfigError
 from mover_plugin.launch.deepspeed_line import LOCAL_HOST, select_slots
@@ -64,7 +64,8 @@ def local_gpus(args: argparse.Namespace, environ: Mapping[str, str],
     gpus = gpus_on_host(args.gpus_per_node, environ, driver_gpu_count)
     for node in local:
         named = list(node.devices) if gpus.count else []
-        seen = len(environ[VISIBLE_ENV].split(",")) if environ.get(VISIBLE_ENV) else gpus.count
+        ids = visible_ids(environ)
+        seen = gpus.count if ids is None else len(ids)
         if named and max(named) >= min(gpus.count, seen):
             raise ConfigError(f"host {node.host}: slot {max(named)} names no GPU; it has "
                               f"{min(gpus.count, seen)} ({gpus.source})")

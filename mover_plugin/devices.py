@@ -53,11 +53,16 @@ def gpus_on_host(flag: Optional[int], env: Mapping[str, str],
     else what the driver counts (0 without CUDA)."""
     if flag is not None:
         return HostGpus(flag, "--gpus-per-node")
-    visible = env.get(VISIBLE_ENV)
-    if visible is not None:
-        entries = [entry for entry in visible.split(",") if entry.strip()]
-        return HostGpus(len(entries), f"{VISIBLE_ENV}={visible}")
+    ids = visible_ids(env)
+    if ids is not None:
+        return HostGpus(len(ids), f"{VISIBLE_ENV}={env[VISIBLE_ENV]}")
     return HostGpus(driver_count(), "the CUDA driver")
+
+
+def visible_ids(env: Mapping[str, str]) -> Optional[list[str]]:
+    """The GPU ids ``CUDA_VISIBLE_DEVICES`` lists in ``env`` (None when it is not set)."""
+    visible = env.get(VISIBLE_ENV)
+    return None if visible is None else [e.strip() for e in visible.split(",") if e.strip()]
 
 
 def driver_gpu_count() -> int:
@@ -81,8 +86,7 @@ def check_host_fits(host: str, workers: int, standbys: int, gpus: HostGpus) -> N
 def visible_subset(devices: Iterable[int], env: Mapping[str, str]) -> str:
     """The ``CUDA_VISIBLE_DEVICES`` that shows a process exactly ``devices``: indices among the
     GPUs ``env`` shows (its ``CUDA_VISIBLE_DEVICES``, else all the driver's)."""
-    visible = env.get(VISIBLE_ENV)
-    ids = [e.strip() for e in visible.split(",") if e.strip()] if visible is not None else None
+    ids = visible_ids(env)
     return ",".join(ids[d] if ids is not None else str(d) for d in devices)
 
 
