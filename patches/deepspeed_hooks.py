@@ -23,6 +23,9 @@ Hook points (checked on DeepSpeed 0.19.8):
   :meth:`DeepSpeedHooks.around_collective`. They are in place from the drop-in's start, under
   every later patch of the same names (which restores them), so DeepSpeed's backend, created
   later, takes these wrappers too.
+- ``__init__`` of ``torch.utils.data.dataloader._BaseDataLoaderIter`` (checked on torch 2.13 and
+  2.14), which makes every iterator of a ``DataLoader``:
+  :meth:`DeepSpeedHooks.around_loader_iterator`.
 """
 
 from __future__ import annotations
@@ -72,6 +75,12 @@ class DeepSpeedHooks:
         """Runs ``torch.distributed.<name>(...)``, one of :data:`SCRIPT_COLLECTIVES`."""
         return collective(*args, **kwargs)
 
+    def around_loader_iterator(self, init: Callable[[Any, Any], None], iterator: Any,
+                               loader: Any) -> None:
+        """Runs ``init(iterator, loader)``: a new iterator of ``loader`` (``iter(loader)``;
+        it draws its worker processes' base seed)."""
+        init(iterator, loader)
+
 
 _HOOKS: HookPoints[DeepSpeedHooks] = HookPoints(GROUP, "DeepSpeed hooks")
 
@@ -100,6 +109,20 @@ def _apply_torch() -> Undo:
     return _HOOKS.undo_with(swap)
 
 
+def _apply_loader_iterators() -> Undo:
+    from torch.utils.data import dataloader
+
+    swap = AttributeSwap()
+    init = dataloader._BaseDataLoaderIter.__init__
+
+    def with_hooks(iterator: Any, loader: Any) -> None:
+        _HOOKS.installed().around_loader_iterator(init, iterator, loader)
+
+    with_hooks.__wrapped__ = init  # type: ignore[attr-defined]
+    swap.set_attr(dataloader._BaseDataLoaderIter, "__init__", with_hooks)
+    return _HOOKS.undo_with(swap)
+
+
 def _collective_hook(name: str, collective: Callable[..., Any]) -> Callable[..., Any]:
     def with_hooks(*args: Any, **kwargs: Any) -> Any:
         return _HOOKS.installed().around_collective(name, collective, *args, **kwargs)
@@ -118,3 +141,8 @@ register_patch(Patch(name="torch-default-group", distribution="torch",
                      description="torch.distributed.init_process_group and the script's "
                                  "collectives run inside the installed hooks",
                      apply=_apply_torch, groups=(GROUP,)))
+register_patch(Patch(name="torch-loader-iterators", distribution="torch",
+                     tested_versions=">=2.13,<2.15",
+                     description="every new iterator of a torch DataLoader is made inside the "
+                                 "installed hooks",
+                     apply=_apply_loader_iterators, groups=(GROUP,)))

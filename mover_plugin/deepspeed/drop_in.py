@@ -77,6 +77,7 @@ from mover_plugin.deepspeed.shadow_run import ShadowRun, shadow_rank
 from mover_plugin.errors import ConfigError
 from mover_plugin.patches import AppliedPatches, apply_inactive_patches, apply_patches
 from mover_plugin.patches.deepspeed_hooks import DeepSpeedHooks, install_hooks
+from mover_plugin.runtime.random_streams import loader_draws_from_streams
 from mover_plugin.runtime.replay import ReplayableIterator
 
 logger = logging.getLogger(__name__)
@@ -165,6 +166,8 @@ class DropIn(DeepSpeedHooks):
         """A standby's shadow run, once it began."""
         self.between = BetweenCalls()
         """The script's collectives between iterations (recorded, or a joiner's replayed)."""
+        self._inexact: Optional[str] = None
+        """Why a joiner's catch-up may have left its data other than the replaced rank's."""
 
     # -- a standby's shadow run -----------------------------------------------------------
 
@@ -230,6 +233,18 @@ class DropIn(DeepSpeedHooks):
     def around_collective(self, name: str, collective: Callable[..., Any], *args: Any,
                           **kwargs: Any) -> Any:
         return self.between.around(name, collective, *args, **kwargs)
+
+    def around_loader_iterator(self, init: Callable[[Any, Any], None], iterator: Any,
+                               loader: Any) -> None:
+        """A joiner's script that makes a data loader's iterator while it catches up (a new
+        epoch) seeds what it draws from its own streams, not the replaced rank's: the
+        recovery is reported inexact if the loader's data depends on them."""
+        init(iterator, loader)
+        if self.behind > 0 and self._local is not None and self._inexact is None:
+            reason = loader_draws_from_streams(loader)
+            if reason is not None:
+                self._inexact = (f"a data loader's iterator made while the joiner caught up "
+                                 f"drew {reason} from the joiner's own random-number streams")
 
     def _passes_through(self) -> bool:
         """Whether a call that would start distributed training runs as it is: set up already,
@@ -358,7 +373,8 @@ class DropIn(DeepSpeedHooks):
             self._local.revert()
             self._local = None
         steps, started = self._catch_up_began
-        self._post_caught_up(steps, time.perf_counter() - started, self.between.end_replay())
+        inexact = [reason for reason in (self._inexact, self.between.end_replay()) if reason]
+        self._post_caught_up(steps, time.perf_counter() - started, "; ".join(inexact) or None)
 
     def _joined_without_catch_up(self) -> None:
         """A joiner whose script is at the job's iteration already: what its script's

@@ -11,7 +11,11 @@ that restores it may own another device index than the one that captured it.
 
 What cannot be carried is a generator object a script makes for itself
 (``torch.Generator()``, ``np.random.default_rng()``): a sampler seeded with ``seed + epoch``
-draws the same again, one that keeps drawing from its own generator does not.
+draws the same again, one that keeps drawing from its own generator does not. Nor what a
+joiner's script draws while it catches up through steps the job trained: its streams become
+the replaced rank's only at the end, so a data loader's iterator it makes on the way (a new
+epoch) seeds its worker processes, and a random sampler without a generator of its own draws
+its order, from the joiner's streams (:func:`loader_draws_from_streams` tells which loaders).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Any, Optional
 
 import numpy as np
 import torch
+from torch.utils.data import RandomSampler, SubsetRandomSampler, WeightedRandomSampler
 
 from mover_plugin.errors import MoverError
 
@@ -31,6 +36,10 @@ PACKED_BYTES = 16384
 """Size of :meth:`RandomStreams.packed`: the four streams take about 12 KiB."""
 
 _LENGTH = struct.Struct("<I")
+_RANDOM_SAMPLERS = (RandomSampler, SubsetRandomSampler, WeightedRandomSampler)
+"""torch's samplers that draw their order from their ``generator``, or from torch's CPU
+stream when it is None (a subclass may seed itself: Accelerate's ``SeedableRandomSampler``
+draws from ``seed + epoch``)."""
 
 
 class StreamsError(MoverError, ValueError):
@@ -94,6 +103,20 @@ class RandomStreams:
         python, numpy_state, cpu, cuda = pickle.loads(raw[_LENGTH.size:_LENGTH.size + length])
         return cls(python, numpy_state, _bytes_tensor(cpu),
                    None if cuda is None else _bytes_tensor(cuda))
+
+
+def loader_draws_from_streams(loader: Any) -> Optional[str]:
+    """Why a ``torch.utils.data.DataLoader``'s new iterator draws from the global streams what
+    shapes the data it gives (None if it draws nothing that does): its worker processes'
+    seeds, unless the loader has a generator of its own; the order of a random sampler
+    without one."""
+    reasons = []
+    if getattr(loader, "num_workers", 0) > 0 and getattr(loader, "generator", None) is None:
+        reasons.append(f"its worker processes' seeds ({loader.num_workers})")
+    sampler = getattr(loader, "sampler", None)
+    if type(sampler) in _RANDOM_SAMPLERS and sampler.generator is None:
+        reasons.append(f"the order of its {type(sampler).__name__}")
+    return " and ".join(reasons) or None
 
 
 def empty_packed() -> torch.Tensor:

@@ -3,11 +3,13 @@ under mover-launch on CPU: Transformers' own arguments (``--deepspeed PATH``, ``
 the Trainer driving DeepSpeed ZeRO-2 through Accelerate, a GPT-2 with its dropout, a shuffled
 sampler, and labels whose counted tokens differ by rank (the Trainer gathers them before every
 iteration). With the ``"resilience"`` block in its config alone, a migration and a SIGKILL are
-recovered in place and the job ends with the failure-free parameters and logs."""
+recovered in place and the job ends with the failure-free parameters and logs. The SIGKILL's
+step is drawn at random (tests/support/drawn.py prints it)."""
 
 import json
 import re
 
+from support.drawn import drawn_step
 from support.gpt_jobs import LAUNCH, digest, read_events
 from mover_plugin.testing import run_command
 from support.paths import SCRIPTS
@@ -15,7 +17,11 @@ from support.paths import SCRIPTS
 SCRIPT = str(SCRIPTS / "hf_trainer_train.py")
 STEPS = 60
 """Long enough for a migration requested at step 3 (its joiner builds the Trainer while the job
-trains, at least STEP_TIME_S per step) and the SIGKILL held back until it ended."""
+trains, at least STEP_TIME_S per step) and the SIGKILL after it."""
+KILL_STEPS = (8, 20)
+"""The SIGKILL comes as rank 0 begins a step drawn from these, or, if the migration is still
+under way then, one of its first steps in the migration's generation. (The joiner catches up
+through every step before it: a later SIGKILL makes a longer test.)"""
 STEP_TIME_S = 0.3
 CONFIG = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
           "train_batch_size": "auto", "gradient_clipping": "auto",
@@ -56,9 +62,10 @@ def test_a_trainer_script_recovers_a_migration_and_a_sigkill_with_the_failure_fr
     reference = hf_job(tmp_path / "reference", None, "--max-restarts", "0")
     assert reference.returncode == 0, reference.output[-4000:]
     events_path, summary_path = tmp_path / "events.jsonl", tmp_path / "summary.json"
+    killed_at = drawn_step("SIGKILL of rank 0", *KILL_STEPS)
     result = hf_job(tmp_path / "resilient", {"peer_copy": True, "standbys": 2},
                     "--event-log", str(events_path), "--summary", str(summary_path),
-                    "--inject-migration", "1:3", "--inject-failure", "0:8",
+                    "--inject-migration", "1:3", "--inject-failure", f"0:{killed_at}",
                     step_time_s=STEP_TIME_S)
     assert result.returncode == 0, result.output[-5000:]
     summary, events = json.loads(summary_path.read_text()), read_events(events_path)
@@ -71,6 +78,7 @@ def test_a_trainer_script_recovers_a_migration_and_a_sigkill_with_the_failure_fr
     assert kinds == [("migration", 1, "standby", None), ("failure", 0, "standby", None)]
     assert summary["restarts"] == 0
     killed_in = summary["interruptions"][1]["step"] - 1
+    assert killed_in + 1 >= killed_at
     assert re.search(rf"rank 1 redoes iteration {killed_in}: \d micro-batch", result.output)
     # Each joiner's script gathered the token counts (and the last step's loss for its log)
     # before its first iteration: answered with what the ranks it replaced had received.

@@ -659,15 +659,21 @@ def test_megatron_lm_hooks_pass_through_and_revert() -> None:
 
 def test_deepspeed_hooks_see_every_entry_point_and_revert() -> None:
     """The hooks see a script's deepspeed.init_distributed, the one deepspeed.initialize makes
-    through deepspeed.comm, and deepspeed.initialize; revert puts DeepSpeed's own back."""
+    through deepspeed.comm, deepspeed.initialize, and each new iterator of a DataLoader (made
+    by the original, then used as it is); revert puts DeepSpeed's and torch's own back."""
     pytest.importorskip("deepspeed")
     code = (
         "import deepspeed, deepspeed.comm as comm\n"
+        "from torch.utils.data import DataLoader, dataloader\n"
         "from mover_plugin.errors import PatchError\n"
         "from mover_plugin.patches.deepspeed_hooks import DeepSpeedHooks, install_hooks\n"
-        "originals = (deepspeed.init_distributed, comm.init_distributed, deepspeed.initialize)\n"
+        "originals = (deepspeed.init_distributed, comm.init_distributed, deepspeed.initialize,"
+        " dataloader._BaseDataLoaderIter.__init__)\n"
         "seen = []\n"
         "class Record(DeepSpeedHooks):\n"
+        "    def around_loader_iterator(self, init, iterator, loader):\n"
+        "        init(iterator, loader)\n"
+        "        seen.append(('iterator', init is originals[3], loader.batch_size))\n"
         "    def around_init_distributed(self, init, *args, **kwargs):\n"
         "        seen.append(('init', init is originals[1], kwargs))\n"
         "    def around_initialize(self, initialize, *args, **kwargs):\n"
@@ -681,19 +687,22 @@ def test_deepspeed_hooks_see_every_entry_point_and_revert() -> None:
         "deepspeed.init_distributed(dist_backend='gloo')\n"
         "comm.init_distributed(dist_backend='gloo')\n"
         "print('RESULT', deepspeed.initialize(model=None, config={})[0])\n"
+        "print('BATCHES', [b.tolist() for b in DataLoader(list(range(4)), batch_size=3)])\n"
         "print('SEEN', seen)\n"
         "applied.revert()\n"
-        "assert (deepspeed.init_distributed, comm.init_distributed, deepspeed.initialize)"
-        " == originals\n"
+        "assert (deepspeed.init_distributed, comm.init_distributed, deepspeed.initialize,"
+        " dataloader._BaseDataLoaderIter.__init__) == originals\n"
         "print('REVERTED')\n"
     )
     result = _run_in_child(code)
     assert "TWICE DeepSpeed hooks are installed already; revert them first" in result.stdout
     assert "RESULT engine" in result.stdout and "REVERTED" in result.stdout
     seen = result.stdout.split("SEEN ", 1)[1].splitlines()[0]
+    assert "BATCHES [[0, 1, 2], [3]]" in result.stdout
     assert seen == ("[('init', True, {'dist_backend': 'gloo'}), "
                     "('init', True, {'dist_backend': 'gloo'}), "
-                    "('initialize', True, {'model': None, 'config': {}})]")
+                    "('initialize', True, {'model': None, 'config': {}}), "
+                    "('iterator', True, 3)]")
 
 
 def _run_in_child(code: str) -> subprocess.CompletedProcess:

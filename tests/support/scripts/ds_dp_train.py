@@ -5,7 +5,7 @@
 makes the call), a small next-token model, ``deepspeed.initialize`` with the
 config named by ``--deepspeed_config`` (any ZeRO stage), a ``DataLoader`` over this rank's share
 of a fixed dataset (``DistributedSampler``; with ``--shuffle`` shuffled, ``set_epoch`` every
-epoch), and per step
+epoch; ``--samples N`` of them, ``--workers N`` worker processes), and per step
 ``gradient_accumulation_steps`` times ``engine(tokens)``, the loss computed by the script from
 the logits, ``engine.backward(loss)`` and ``engine.step()``; with ``--save``/``--load``,
 DeepSpeed's checkpoints, resuming at the step the checkpoint holds. Rank 0 prints
@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
-from tiny_lm import HIDDEN, VOCAB, Block, dataset, next_token_loss
+from tiny_lm import HIDDEN, SAMPLES, VOCAB, Block, dataset, next_token_loss
 
 
 def parse_args() -> argparse.Namespace:
@@ -55,6 +55,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--augment", action="store_true")
     parser.add_argument("--shuffle", action="store_true")
     parser.add_argument("--seed-by-rank", action="store_true")
+    parser.add_argument("--samples", type=int, default=SAMPLES)
+    parser.add_argument("--workers", type=int, default=0)
     return deepspeed.add_config_arguments(parser).parse_args()
 
 
@@ -90,7 +92,7 @@ def main() -> None:
         engine.load_checkpoint(args.load)
         start = engine.global_steps
     accumulation = engine.gradient_accumulation_steps()
-    batches = repeat(data_loader(engine, args.shuffle), args.augment)
+    batches = repeat(data_loader(engine, args), args.augment)
     for _ in range(start * accumulation):
         next(batches)  # resume where the checkpoint's step left the data
     for step in range(start, args.steps):
@@ -119,11 +121,11 @@ def seed(value: int) -> None:
     torch.manual_seed(value)
 
 
-def data_loader(engine, shuffle: bool) -> DataLoader:
-    sampler = DistributedSampler(dataset(), num_replicas=dist.get_world_size(),
-                                 rank=dist.get_rank(), shuffle=shuffle, seed=1234)
+def data_loader(engine, args: argparse.Namespace) -> DataLoader:
+    sampler = DistributedSampler(dataset(args.samples), num_replicas=dist.get_world_size(),
+                                 rank=dist.get_rank(), shuffle=args.shuffle, seed=1234)
     return DataLoader(sampler.dataset, batch_size=engine.train_micro_batch_size_per_gpu(),
-                      sampler=sampler, drop_last=True)
+                      sampler=sampler, drop_last=True, num_workers=args.workers)
 
 
 def repeat(loader: DataLoader, augment: bool):

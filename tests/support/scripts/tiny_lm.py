@@ -25,7 +25,7 @@ def next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
 
 
-def dataset() -> TensorDataset:
+def dataset(samples: int = SAMPLES) -> TensorDataset:
     generator = torch.Generator().manual_seed(1234)
-    tokens = torch.randint(0, VOCAB, (SAMPLES, SEQ + 1), generator=generator)
+    tokens = torch.randint(0, VOCAB, (samples, SEQ + 1), generator=generator)
     return TensorDataset(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())

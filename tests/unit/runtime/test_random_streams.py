@@ -9,11 +9,14 @@ import numpy as np
 import pytest
 import torch
 
+from torch.utils.data import DataLoader, RandomSampler, SequentialSampler, WeightedRandomSampler
+
 from mover_plugin.runtime.random_streams import (
     PACKED_BYTES,
     RandomStreams,
     StreamsError,
     empty_packed,
+    loader_draws_from_streams,
 )
 
 
@@ -59,3 +62,28 @@ def test_streams_are_the_same_until_any_one_of_them_draws():
         streams.restore()
         draw()
         assert not streams.same_as(RandomStreams.capture())
+
+
+class SeededPerEpoch(RandomSampler):
+    """A subclass that seeds itself (as Accelerate's ``SeedableRandomSampler``)."""
+
+
+@pytest.mark.parametrize("loader, reason", [
+    (DataLoader(range(8)), None),
+    (DataLoader(range(8), shuffle=True, generator=torch.Generator()), None),
+    (DataLoader(range(8), num_workers=2, generator=torch.Generator()), None),
+    (DataLoader(range(8), sampler=SequentialSampler(range(8)), num_workers=0), None),
+    (DataLoader(range(8), shuffle=True), "the order of its RandomSampler"),
+    (DataLoader(range(8), sampler=WeightedRandomSampler([1.0] * 8, 8)),
+     "the order of its WeightedRandomSampler"),
+    (DataLoader(range(8), num_workers=2), "its worker processes' seeds (2)"),
+    (DataLoader(range(8), num_workers=1, sampler=RandomSampler(range(8))),
+     "its worker processes' seeds (1) and the order of its RandomSampler"),
+    (DataLoader(range(8), sampler=SeededPerEpoch(range(8))), None),
+], ids=["sequential", "own-generator", "workers-own-generator", "sampler-given", "shuffled",
+        "weighted", "workers", "workers-and-shuffled", "subclass"])
+def test_a_loader_draws_from_the_streams_what_its_seeds_or_generators_do_not_fix(loader, reason):
+    """What a new iterator of a DataLoader draws from the global streams that shapes its data:
+    its workers' seeds (unless the loader has a generator) and a random sampler's order
+    (unless the sampler has one)."""
+    assert loader_draws_from_streams(loader) == reason
