@@ -77,7 +77,7 @@ from mover_plugin.deepspeed.shadow_run import ShadowRun, shadow_rank
 from mover_plugin.errors import ConfigError
 from mover_plugin.patches import AppliedPatches, apply_inactive_patches, apply_patches
 from mover_plugin.patches.deepspeed_hooks import DeepSpeedHooks, install_hooks
-from mover_plugin.runtime.random_streams import loader_draws_from_streams
+from mover_plugin.runtime.random_streams import LOADER_SEEDS, loader_draws_from_streams
 from mover_plugin.runtime.replay import ReplayableIterator
 
 logger = logging.getLogger(__name__)
@@ -209,6 +209,7 @@ class DropIn(DeepSpeedHooks):
         controller hears of the warm-up."""
         assert self._shadow is not None and self.resilience is not None
         report = self._shadow.release()
+        LOADER_SEEDS.forget()  # the script starts over
         control = self.resilience.runtime.control
         control.post("standby_warmed", standby=control.standby_id, time=time.time(), **report)
 
@@ -236,12 +237,15 @@ class DropIn(DeepSpeedHooks):
 
     def around_loader_iterator(self, init: Callable[[Any, Any], None], iterator: Any,
                                loader: Any) -> None:
-        """A joiner's script that makes a data loader's iterator while it catches up (a new
-        epoch) seeds what it draws from its own streams, not the replaced rank's: the
-        recovery is reported inexact if the loader's data depends on them."""
+        """Every iterator's base seed is recorded; a joiner's script that makes one while it
+        catches up (a new epoch) gives it the replaced rank's. What it would still draw from
+        the joiner's own streams (a random sampler's order) makes the recovery inexact."""
         init(iterator, loader)
+        if self.shadow_running:
+            return
+        seeded = LOADER_SEEDS.made_iterator(iterator)
         if self.behind > 0 and self._local is not None and self._inexact is None:
-            reason = loader_draws_from_streams(loader)
+            reason = loader_draws_from_streams(loader, seeded=seeded)
             if reason is not None:
                 self._inexact = (f"a data loader's iterator made while the joiner caught up "
                                  f"drew {reason} from the joiner's own random-number streams")

@@ -35,8 +35,10 @@ knows the DeepSpeed side:
 - **Random numbers.** A joiner continues with the random-number streams of the rank it
   replaces (:mod:`mover_plugin.runtime.random_streams`), as they were after that rank's last
   step: the leaver hands over its own, and with the peer copy each rank's travel with its
-  shard. So dropout and a script's draws continue as in the run without the interruption, for
-  ranks seeded alike or by rank. A rollback cannot be exact when the model draws random
+  shard, with the base seeds of the data loader iterators it made (a joiner's script that
+  makes them again while it catches up gives its loaders' workers that rank's seeds). So
+  dropout and a script's draws continue as in the run without the interruption, for ranks
+  seeded alike or by rank. A rollback cannot be exact when the model draws random
   numbers (DeepSpeed's checkpoints hold no random-number states): when a rank's streams
   changed between steps, its ``rolled_back`` event says the recovery may be inexact, and the
   run summary's interruption too (``inexact``).
@@ -90,7 +92,7 @@ from mover_plugin.layout import ParallelLayout
 from mover_plugin.progress import ProgressReporter
 from mover_plugin.runtime.adapter import Continuation, Transfer
 from mover_plugin.runtime.peer_copy import PeerCopy, decide_continuation, shard_record
-from mover_plugin.runtime.random_streams import RandomStreams, empty_packed
+from mover_plugin.runtime.random_streams import LOADER_SEEDS, RandomStreams, empty_packed
 from mover_plugin.runtime.resilience import ResilienceRuntime
 
 logger = logging.getLogger(__name__)
@@ -428,6 +430,7 @@ class DeepSpeedResilience:
 
     def load_state(self, state: dict[str, Any], transfer: Transfer) -> None:
         self._joined_streams = RandomStreams.unpacked(self._received_streams)
+        LOADER_SEEDS.give(self._joined_streams.loader_seeds)
         if state["scheduler"] is not None:
             self._engine.lr_scheduler.load_state_dict(state["scheduler"])
         # The scheduler sets the learning rate only after the next update.

@@ -17,7 +17,9 @@ The randomness users' scripts have: ``--dropout P`` in every block (torch's CPU 
 GPU's with CUDA); ``--augment`` shifts each micro-batch's token ids (and labels) by an offset
 drawn from Python's ``random`` and one from NumPy's global state, between the calls;
 ``--seed-by-rank`` seeds all three with ``1234 + rank`` instead of 1234 on every rank (the rank from
-torch.distributed, or before ``deepspeed.initialize`` from ``RANK``).
+torch.distributed, or before ``deepspeed.initialize`` from ``RANK``); ``--worker-augment`` shifts
+each sample's token ids by an offset the loader's worker process draws from its own streams
+(seeded by the loader from the main process's torch stream, each epoch).
 
 Given ``--local_rank=N`` (the deepspeed launcher's argument), it prints ``LOCAL_RANK_ARG N`` and
 checks that N is the process's ``LOCAL_RANK``.
@@ -36,7 +38,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from tiny_lm import HIDDEN, SAMPLES, VOCAB, Block, dataset, next_token_loss
 
@@ -57,6 +59,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed-by-rank", action="store_true")
     parser.add_argument("--samples", type=int, default=SAMPLES)
     parser.add_argument("--workers", type=int, default=0)
+    parser.add_argument("--worker-augment", action="store_true")
     return deepspeed.add_config_arguments(parser).parse_args()
 
 
@@ -121,10 +124,28 @@ def seed(value: int) -> None:
     torch.manual_seed(value)
 
 
+class Shifted(Dataset):
+    """Each sample's tokens and labels shifted by an offset drawn where it is read."""
+
+    def __init__(self, samples: Dataset) -> None:
+        self.samples = samples
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int):
+        tokens, labels = self.samples[index]
+        shift = int(torch.randint(VOCAB, ()))
+        return (tokens + shift) % VOCAB, (labels + shift) % VOCAB
+
+
 def data_loader(engine, args: argparse.Namespace) -> DataLoader:
-    sampler = DistributedSampler(dataset(args.samples), num_replicas=dist.get_world_size(),
+    samples = dataset(args.samples)
+    if args.worker_augment:
+        samples = Shifted(samples)
+    sampler = DistributedSampler(samples, num_replicas=dist.get_world_size(),
                                  rank=dist.get_rank(), shuffle=args.shuffle, seed=1234)
-    return DataLoader(sampler.dataset, batch_size=engine.train_micro_batch_size_per_gpu(),
+    return DataLoader(samples, batch_size=engine.train_micro_batch_size_per_gpu(),
                       sampler=sampler, drop_last=True, num_workers=args.workers)
 
 

@@ -3,6 +3,7 @@ and carried as a fixed-size byte tensor."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import numpy as np
@@ -12,7 +13,10 @@ import torch
 from torch.utils.data import DataLoader, RandomSampler, SequentialSampler, WeightedRandomSampler
 
 from mover_plugin.runtime.random_streams import (
+    LOADER_SEEDS,
+    LOADER_SEEDS_KEPT,
     PACKED_BYTES,
+    LoaderSeeds,
     RandomStreams,
     StreamsError,
     empty_packed,
@@ -87,3 +91,44 @@ def test_a_loader_draws_from_the_streams_what_its_seeds_or_generators_do_not_fix
     its workers' seeds (unless the loader has a generator) and a random sampler's order
     (unless the sampler has one)."""
     assert loader_draws_from_streams(loader) == reason
+
+
+def made(seeds: LoaderSeeds, loader: DataLoader) -> tuple[int, bool]:
+    """An iterator of ``loader`` made and recorded as the drop-in's hook does: its base seed,
+    and whether it was given one."""
+    iterator = iter(loader)
+    given = seeds.made_iterator(iterator)
+    return iterator._base_seed, given
+
+
+def test_a_joiner_s_iterators_take_the_replaced_rank_s_seeds_in_the_order_it_made_them():
+    loader = DataLoader(range(8))
+    torch.manual_seed(1)
+    lost = LoaderSeeds()
+    lost_seeds = [made(lost, loader)[0] for _ in range(3)]
+    assert lost.recorded() == tuple(enumerate(lost_seeds)) and lost.made == 3
+    torch.manual_seed(2)  # the joiner's own streams: other seeds
+    joiner = LoaderSeeds()
+    first, given = made(joiner, loader)  # made before it joined: its own
+    assert not given and first != lost_seeds[0]
+    joiner.give(lost.recorded())  # only the places not made yet are taken
+    assert [made(joiner, loader) for _ in range(2)] == [(lost_seeds[1], True),
+                                                        (lost_seeds[2], True)]
+    fourth, given = made(joiner, loader)  # beyond what the lost rank made: its own draw
+    assert not given and joiner.recorded()[-1] == (3, fourth)
+
+
+def test_the_streams_carry_the_last_loader_seeds_and_a_restore_leaves_them_alone():
+    seeds = LoaderSeeds()
+    for _ in range(LOADER_SEEDS_KEPT + 2):
+        made(seeds, DataLoader(range(4)))
+    kept = seeds.recorded()
+    assert len(kept) == LOADER_SEEDS_KEPT and kept[0][0] == 2
+    streams = dataclasses.replace(RandomStreams.capture(), loader_seeds=kept)
+    again = RandomStreams.unpacked(streams.packed())
+    assert again.loader_seeds == kept and again.same_as(streams)
+    process_record = LOADER_SEEDS.recorded()
+    again.restore()  # the process's own record is not a stream
+    assert LOADER_SEEDS.recorded() == process_record
+    seeds.forget()
+    assert seeds.made == 0 and seeds.recorded() == ()
