@@ -431,9 +431,7 @@ def _ring_connections(rank: int, store: dist.Store, port: int) -> dict:
     opened["after_neighbour_p2p"] = len(established_connections() - before)
     # Every rank counts before any starts the broadcast, whose root connects to ranks that are
     # not its neighbours (a store barrier: a group operation could connect pairs itself).
-    store.add("p2p_counted", 1)
-    while store.add("p2p_counted", 0) < size:
-        time.sleep(0.01)
+    _all_reached(store, "p2p_counted", size)
     tensor = torch.full((4,), float(rank + 1))
     group.broadcast([tensor], 3).wait()
     opened["after_broadcast"] = len(established_connections() - before)
@@ -456,9 +454,19 @@ def _ring_connections(rank: int, store: dist.Store, port: int) -> dict:
         opened["mesh_created"] = len(established_connections() - before)
     finally:
         MoverProcessGroup.c10d_gloo = False
+    # A peer that shut its mesh down would leave this rank's end of their connection closing,
+    # no longer established: every rank counts before any shuts down.
+    _all_reached(store, "mesh_counted", size)
     mesh.shutdown()
     return {"opened": opened, "received": received.tolist(), "broadcast": tensor.tolist(),
             "summed": summed.tolist(), "twin_summed": twin_summed.tolist()}
+
+
+def _all_reached(store: dist.Store, key: str, size: int) -> None:
+    """A barrier over the store: returns once ``size`` ranks have called it with ``key``."""
+    store.add(key, 1)
+    while store.add(key, 0) < size:
+        time.sleep(0.01)
 
 
 def test_a_group_connects_its_ring_at_creation_and_a_twin_shares_its_backend() -> None:
