@@ -36,6 +36,9 @@ RANDOM = ("--dropout", "0.1", "--augment", "--shuffle")
 """A data-parallel script's randomness, every rank seeded alike."""
 BY_RANK = (*RANDOM, "--seed-by-rank")
 """The same seeded with ``1234 + rank``."""
+SHORT_EPOCHS = (*RANDOM, "--samples", "64", "--workers", "1", "--worker-augment")
+"""RANDOM with epochs of 4 steps, read by a loader whose worker process shifts each sample by
+an offset it draws: a joiner's script makes a new epoch's iterator while it catches up."""
 DROPOUT = ("--dropout", "0.1")
 STEPS = 12
 """Long enough for a migration requested at step 3 (its joiner prepares for a few steps) and a
@@ -86,7 +89,7 @@ def data_parallel_reference(tmp_path_factory):
 @pytest.fixture(scope="module")
 def zero_1_reference(tmp_path_factory):
     return failure_free(tmp_path_factory, "zero-1-reference", script=DATA_PARALLEL,
-                        config=ZERO_1, script_flags=RANDOM)
+                        config=ZERO_1, script_flags=SHORT_EPOCHS)
 
 
 @pytest.fixture(scope="module")
@@ -150,8 +153,11 @@ def test_a_data_parallel_script_recovers_a_sigkill_inside_an_iteration_and_a_mig
     """ZeRO-1 with two accumulation steps, every rank seeded alike: rank 3 migrates, then rank
     0 is SIGKILLed as it begins a drawn step. The survivors are inside that step's iteration,
     redo its micro-batches from their records, and their scripts' calls return as if nothing
-    happened; the joiners catch up through the steps they missed."""
-    check_migration_and_sigkill(tmp_path, ZERO_1, zero_1_reference, script_flags=RANDOM)
+    happened; the joiners catch up through the steps they missed. The epochs are 4 steps
+    long and the loader's worker draws each sample's shift: the SIGKILL's joiner makes the
+    iterators of the epochs it catches up through, each of which takes the lost rank's base
+    seed (without it, its worker drew other shifts: another digest, reported inexact)."""
+    check_migration_and_sigkill(tmp_path, ZERO_1, zero_1_reference, script_flags=SHORT_EPOCHS)
 
 
 @pytest.mark.parametrize("config, leaver, killed, shadow", [(ZERO_3, 3, 0, SHADOW),
@@ -253,29 +259,6 @@ def test_a_deepspeed_launcher_line_runs_with_only_the_command_name_changed(
     assert given >= started, result.stdout
     assert given.total() - started.total() <= len(refills), result.stdout
     assert [e["event"] for e in events].count("attempt_start") == 1
-
-
-def test_a_loader_iterator_made_while_a_joiner_catches_up_seeds_its_worker_as_the_lost_rank(
-        tmp_path_factory):
-    """Epochs of 4 steps (64 samples), a loader with a worker process that shifts each sample
-    by an offset it draws: rank 1, SIGKILLed as it begins step 8, is replaced by a joiner whose
-    script catches up through an epoch's end and makes the next epoch's iterator there. That
-    iterator takes the lost rank's base seed (carried with its streams), so its worker draws
-    the lost rank's offsets and the job ends with the failure-free parameters. (Without the
-    seed its worker drew others: another digest, and a recovery reported inexact.)"""
-    flags = ("--samples", "64", "--workers", "1", "--worker-augment", *BY_RANK)
-    reference = failure_free(tmp_path_factory, "loader-reference", script=DATA_PARALLEL,
-                             config=ZERO_2, script_flags=flags)
-    result, summary, events = resilient_job(
-        tmp_path_factory.mktemp("loader"), {"peer_copy": True, "standbys": 1},
-        "--inject-failure", "1:8", script=DATA_PARALLEL, config=ZERO_2, script_flags=flags)
-    assert digest(result) == digest(reference)
-    assert trained_losses(result) == trained_losses(reference)
-    (interruption,) = summary["interruptions"]
-    assert (interruption["rank"], interruption["recovery"]) == (1, "standby")
-    assert interruption.get("inexact") is None and summary["restarts"] == 0
-    (caught_up,) = [e for e in events if e["event"] == "caught_up"]
-    assert (caught_up["rank"], caught_up["steps"], caught_up["inexact"]) == (1, 7, None)
 
 
 def test_a_rank_lost_at_the_commit_of_a_step_is_recovered_by_redoing_every_micro_batch(
