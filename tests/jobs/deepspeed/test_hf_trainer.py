@@ -35,7 +35,7 @@ def hf_job(tmp_path, block, *launcher_flags, step_time_s=0.0):
     tmp_path.mkdir()
     path = tmp_path / "ds_config.json"
     path.write_text(json.dumps(config))
-    return run_command([*LAUNCH, "--nproc-per-node", "2", "--stop-grace-s", "2",
+    return run_command([*LAUNCH, "--standalone", "--nproc-per-node", "2", "--stop-grace-s", "2",
                         *launcher_flags, SCRIPT, "--output_dir", str(tmp_path / "out"),
                         "--max_steps", str(STEPS), "--per_device_train_batch_size", "2",
                         "--gradient_accumulation_steps", "2", "--learning_rate", "1e-3",

@@ -32,6 +32,7 @@ import contextlib
 import hashlib
 import os
 import random
+import sys
 
 import deepspeed
 import numpy as np
@@ -80,7 +81,10 @@ class NextTokenModel(nn.Module):
 def main() -> None:
     args = parse_args()
     if args.local_rank != -1:  # the deepspeed launcher's argument: it must be LOCAL_RANK
-        print(f"LOCAL_RANK_ARG {args.local_rank}", flush=True)
+        # One write for the whole line: every process prints it at start, at once (print
+        # may write the text and its newline apart, and another line can come between).
+        sys.stdout.write(f"LOCAL_RANK_ARG {args.local_rank}\n")
+        sys.stdout.flush()
         if str(args.local_rank) != os.environ.get("LOCAL_RANK"):
             raise SystemExit(f"--local_rank={args.local_rank} but LOCAL_RANK="
                              f"{os.environ.get('LOCAL_RANK')}")
