@@ -11,7 +11,11 @@ the shard exists nowhere else.
 - :func:`shard_tensors`: this rank's shard as live tensors in a fixed order (per optimizer,
   parameter group and parameter: the fp32 main copy where it is a tensor of its own, then each
   tensor of the optimizer's state); the ``step`` counters travel with the optimizer's
-  ``state_dict()``;
+  ``state_dict()``. With ``--overlap-param-gather`` the parameters are gathered at the next
+  forward pass, so between two iterations no other rank holds this rank's shard of them
+  current: the shard then also carries the fp32 parameters where they are views of the model's
+  (:func:`gathers_late`), and a receiver writes the model's own shard from the main copy
+  (:func:`publish_received_shard`);
 - :func:`ensure_shard_state`: a fresh optimizer has no state until its first step; a joiner
   creates it (Megatron-Core's own dummy step) before the shard is received in place, and loads
   the sender's ``state_dict()`` after, which keeps those tensors;
@@ -62,14 +66,31 @@ def shard_tensors(optimizer: Any) -> list[torch.Tensor]:
     tensors: list[torch.Tensor] = []
     for item in distributed_optimizers(optimizer):
         separate = {id(p) for group in item.shard_fp32_from_float16_groups for p in group}
+        late = gathers_late(item)
         keys = item.optimizer_state_keys
         for group in item.optimizer.param_groups:
             for main in group["params"]:
-                if id(main) in separate:
+                if id(main) in separate or late:
                     tensors.append(main.data)
                 state = item.optimizer.state.get(main, {})
                 tensors.extend(state[key] for key in keys if key in state)
     return tensors
+
+
+def gathers_late(item: Any) -> bool:
+    """Whether a distributed optimizer leaves the parameters' gather to the next forward pass
+    (``--overlap-param-gather``): the model's parameters are then current in its own shard
+    only between an update and that gather."""
+    return bool(getattr(getattr(item, "ddp_config", None), "overlap_param_gather", False))
+
+
+def publish_received_shard(optimizer: Any) -> None:
+    """After a shard was received: where the parameters are gathered late, the model's own
+    shard of the parameters is written from the received fp32 main copy (as the update
+    writes it), since the sender's model parameters are not current there."""
+    for item in distributed_optimizers(optimizer):
+        if gathers_late(item):
+            item._copy_main_params_to_model_params()
 
 
 def ensure_shard_state(optimizer: Any) -> None:

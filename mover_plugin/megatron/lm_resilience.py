@@ -41,8 +41,15 @@ rank's stage and returns what Megatron-LM's would. When it grows back, a survivo
 data iterator starts again where the job is, and the joining standbys get Megatron-LM's
 counters with the schedule.
 
-Not yet on this path: virtual pipeline stages, ``--overlap-param-gather``, and DataLoader
-worker processes' effect on detection (``--num-workers 0`` keeps it fast).
+With virtual pipeline stages each rank holds several model chunks: the drop-in builds their
+data iterators as ``pretrain`` does (one per chunk), the state sent to a joiner covers every
+chunk, and a redone iteration replays each chunk's micro-batches. With ``--overlap-grad-reduce`` and
+``--overlap-param-gather`` the reductions and gathers an interrupted iteration left in flight
+are dropped before the redo, and a joiner's first iteration gathers the parameters as the
+others' do (:mod:`mover_plugin.megatron.ddp_syncs`).
+
+Not yet on this path: DataLoader worker processes' effect on detection (``--num-workers 0``
+keeps it fast).
 """
 
 from __future__ import annotations
@@ -60,6 +67,7 @@ import torch
 from mover_plugin.comm.world import cover_world
 from mover_plugin.errors import LaunchError
 from mover_plugin.megatron.checkpoint import restore_rng_state
+from mover_plugin.megatron.ddp_syncs import JoinerGathers
 from mover_plugin.megatron.distributed_optimizer import ensure_shard_state
 from mover_plugin.megatron.lm_counters import counters, data_flags, load_loop_state
 from mover_plugin.megatron.lm_standby import (
@@ -291,7 +299,10 @@ class MegatronLMResilience(MegatronResilience):
     def train_step(self, train_step: Callable[[], Any], iteration: int,
                    data_iterator: Any) -> Any:
         """One iteration of Megatron-LM's ``train_step`` through the runtime."""
+        gathers = None
         if not self._training:
+            if self.joined_in_place:
+                gathers = JoinerGathers(self.args, self._model)
             self._start_training(iteration)
         self.before_step()
         self._data_iterator = data_iterator
@@ -300,7 +311,11 @@ class MegatronLMResilience(MegatronResilience):
         progress = self.progress
         started = time.perf_counter()
         progress.step_begin(iteration + 1)
+        if gathers is not None:
+            gathers.begin()
         result, completed = self.runtime.run_step(iteration, lambda _: train_step())
+        if gathers is not None:
+            gathers.end(train_enters_again=self._rolled_back)
         progress.step_end(completed, time.perf_counter() - started)
         if result is None:
             self._stop_timers_started_since(self._step)

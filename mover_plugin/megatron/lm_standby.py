@@ -41,8 +41,27 @@ from mover_plugin.megatron.standby import StandbyWarmUp, TrainingObjects
 from mover_plugin.patches.hook_points import unhooked
 
 TRAINING_SETTINGS = ("grad_scale_func", "timers", "no_sync_func", "grad_sync_func",
-                     "finalize_model_grads_func")
+                     "param_sync_func", "finalize_model_grads_func")
 """The model config's fields Megatron-LM's ``train()`` sets before its first iteration."""
+
+
+@dataclass
+class TrainingSettings:
+    """The :data:`TRAINING_SETTINGS` of a model's config as they were, to put back."""
+
+    config: Any
+    values: dict[str, Any]
+
+    @classmethod
+    def of(cls, model: list[Any]) -> "TrainingSettings":
+        from megatron.core.utils import get_model_config
+
+        config = get_model_config(model[0])
+        return cls(config, {name: getattr(config, name, None) for name in TRAINING_SETTINGS})
+
+    def restore(self) -> None:
+        for name, value in self.values.items():
+            setattr(self.config, name, value)
 
 
 @dataclass(frozen=True)
@@ -99,8 +118,10 @@ def lm_warm_up(args: argparse.Namespace, call: PretrainCall, initialize: Callabl
         from megatron.training import training
 
         train_step = unhooked(training.train_step)
+        # With virtual pipeline stages, one data iterator per model chunk (as pretrain's).
+        batches = [RerunDataIterator(shadow_batches(args)) for _ in model]
         with training_settings(args, model, optimizer) as config:
-            return train_step(call.forward_step, RerunDataIterator(shadow_batches(args)),
+            return train_step(call.forward_step, batches[0] if len(batches) == 1 else batches,
                               model, optimizer, scheduler, config,
                               get_forward_backward_func(), iteration=0)
 
@@ -133,24 +154,24 @@ def training_settings(args: argparse.Namespace, model: list[Any],
     """The model config as Megatron-LM's ``train()`` sets it up for ``train_step``; put back
     as it was afterwards (``train()`` checks that some of them are unset)."""
     from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
-    from megatron.core.utils import get_model_config
     from megatron.training.global_vars import get_timers
 
-    config = get_model_config(model[0])
-    saved = {name: getattr(config, name, None) for name in TRAINING_SETTINGS}
+    saved = TrainingSettings.of(model)
+    config = saved.config
     config.grad_scale_func = optimizer.scale_loss
     config.timers = get_timers()
     if isinstance(model[0], DistributedDataParallel) and args.overlap_grad_reduce:
         config.no_sync_func = _per_chunk([chunk.no_sync for chunk in model])
         if args.align_grad_reduce:
             config.grad_sync_func = _per_chunk([chunk.start_grad_sync for chunk in model])
+    if args.overlap_param_gather and args.align_param_gather:
+        config.param_sync_func = _per_chunk([chunk.start_param_sync for chunk in model])
     if config.finalize_model_grads_func is None:
         config.finalize_model_grads_func = finalize_model_grads
     try:
         yield config
     finally:
-        for name, value in saved.items():
-            setattr(config, name, value)
+        saved.restore()
 
 
 def _per_chunk(functions: list[Callable[..., Any]]) -> Any:

@@ -71,8 +71,10 @@ from mover_plugin.comm.world import cover_world
 from mover_plugin.contract import GenerationPlan
 from mover_plugin.errors import LaunchError
 from mover_plugin.megatron.checkpoint import capture_rng_state, restore_rng_state
+from mover_plugin.megatron.ddp_syncs import drop_syncs_in_flight
 from mover_plugin.megatron.distributed_optimizer import (
     ensure_shard_state,
+    publish_received_shard,
     restore_step_counters,
     shard_tensors,
     uses_distributed_optimizer,
@@ -311,6 +313,7 @@ class MegatronResilience:
     def _roll_back(self, why: str) -> Continuation:
         if self._peer_copy is not None:
             self._peer_copy.forget()
+        self._drop_syncs_in_flight()
         continuation = self.runtime.roll_back(why, self._reload)
         restore_step_counters(self._optimizer)
         forget_agreed_flags(self._optimizer)
@@ -383,6 +386,12 @@ class MegatronResilience:
 
     def restore_snapshot(self, snapshot: dict[str, Any]) -> None:
         restore_rng_state(snapshot)
+        self._drop_syncs_in_flight()
+
+    def _drop_syncs_in_flight(self) -> None:
+        """What an interrupted iteration left in flight (:mod:`mover_plugin.megatron.ddp_syncs`)."""
+        if self._model is not None:
+            drop_syncs_in_flight(self._model if isinstance(self._model, list) else [self._model])
 
     def after_step(self, iteration: int) -> None:
         copy = self._peer_copy
@@ -433,6 +442,7 @@ class MegatronResilience:
     def load_state(self, state: dict[str, Any], transfer: Transfer) -> None:
         self._optimizer.load_state_dict(state["optimizer"])
         restore_step_counters(self._optimizer)
+        publish_received_shard(self._optimizer)
         load_schedule(self._scheduler, state["scheduler"])  # a warmed-up standby's has stepped
         forget_agreed_flags(self._optimizer)
 

@@ -26,13 +26,14 @@ import of ``megatron.training``:
 pretrain_gpt.py ...``, which is how a failure-free ``torchrun`` run is compared with a
 ``mover-launch`` run.
 
-Not yet on this path with ``--resilient``: virtual pipeline stages, ``--overlap-param-gather``
-and Megatron-LM's own in-process restart are refused before the job starts.
+Not yet on this path with ``--resilient``: context and expert parallelism, and Megatron-LM's
+own in-process restart are refused before the job starts.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import time
 from typing import TYPE_CHECKING, Any, Callable, NoReturn, Optional
@@ -81,7 +82,7 @@ class DropInHooks(MegatronLMHooks):
     def __init__(self) -> None:
         self.resilience: Optional["MegatronLMResilience"] = None
         """The runtime of a ``--resilient`` process, from its distributed set-up on."""
-        self._data_iterators: Callable[[], Any] = lambda: None
+        self._data_iterators = DataIteratorBuilds()
         """Megatron-LM's data iterators built again (after a rollback)."""
         self._progress: Optional[ProgressReporter] = None
         """Step reports to ``mover-launch``'s agent without ``--resilient`` (the runtime makes
@@ -160,13 +161,27 @@ class DropInHooks(MegatronLMHooks):
                                     _argument(args, kwargs, 1, "optimizer"))
 
     def around_data_iterators(self, build: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        if self.resilience is not None:
-            self.resilience.before_data_iterators()
-        self._data_iterators = lambda: build(*args, **kwargs)
+        """With virtual pipeline stages Megatron-LM builds the data iterators once per model
+        chunk (its provider bound to the chunk's ``vp_stage``): a joiner receives its state
+        before the first chunk's, and the job may shrink once the last chunk's exist."""
+        chunk = virtual_stage(_argument(args, kwargs, 0,
+                                        "build_train_valid_test_datasets_provider"))
+        if chunk in (None, 0):
+            self._data_iterators = DataIteratorBuilds()
+            if self.resilience is not None:
+                self.resilience.before_data_iterators()
+        self._data_iterators.add(lambda: build(*args, **kwargs))
         iterators = build(*args, **kwargs)
-        if self.resilience is not None:
+        if self.resilience is not None and self._is_last_chunk(chunk):
             self.resilience.after_data_iterators(self._train_dataset)
         return iterators
+
+    @staticmethod
+    def _is_last_chunk(chunk: Optional[int]) -> bool:
+        from megatron.training import get_args
+
+        chunks = get_args().virtual_pipeline_model_parallel_size
+        return chunk is None or chunks is None or chunk == chunks - 1
 
     def around_datasets(self, build: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         datasets = build(*args, **kwargs)
@@ -233,7 +248,10 @@ class DropInHooks(MegatronLMHooks):
         then ``PARAMS_DIGEST`` when asked, and the runtime of a ``--resilient`` process stops
         following the job."""
         from mover_plugin.megatron.lm_resilience import RolledBack
+        from mover_plugin.megatron.lm_standby import TrainingSettings
 
+        # train() sets up the model config at its start and checks some fields are unset.
+        settings = TrainingSettings.of(_argument(args, kwargs, 1, "model"))
         while True:
             if self.resilience is not None:
                 self.resilience.entering_train(_argument(args, kwargs, 8,
@@ -242,6 +260,7 @@ class DropInHooks(MegatronLMHooks):
                 result = train(*args, **kwargs)
                 break
             except RolledBack:
+                settings.restore()
                 args, kwargs = self._with_new_data_iterators(args, kwargs)
             except SystemExit:
                 # Megatron-LM ends train() early (--exit-interval, --exit-duration-in-mins,
@@ -276,7 +295,7 @@ class DropInHooks(MegatronLMHooks):
         (from the counters the checkpoint restored)."""
         assert self.resilience is not None, "only a --resilient job rolls back"
         train_iterator, valid_iterator, _ = self.resilience.rebuild_data_iterators(
-            self._data_iterators)
+            self._data_iterators.build)
         positional = list(args)
         for index, name, value in ((4, "train_data_iterator", train_iterator),
                                    (5, "valid_data_iterator", valid_iterator)):
@@ -285,6 +304,35 @@ class DropInHooks(MegatronLMHooks):
             else:
                 positional[index] = value
         return tuple(positional), kwargs
+
+
+class DataIteratorBuilds:
+    """How Megatron-LM built this rank's data iterators, to build them again after a rollback:
+    one call of ``build_train_valid_test_data_iterators``, or one per model chunk with
+    virtual pipeline stages (then each of the training, validation and test iterators is a
+    list with one per chunk, as ``pretrain`` makes them)."""
+
+    def __init__(self) -> None:
+        self._builds: list[Callable[[], Any]] = []
+
+    def add(self, build: Callable[[], Any]) -> None:
+        self._builds.append(build)
+
+    def build(self) -> Any:
+        if not self._builds:
+            return None, None, None
+        if len(self._builds) == 1:
+            return self._builds[0]()
+        per_chunk = [build() for build in self._builds]
+        return tuple([iterators[kind] for iterators in per_chunk] for kind in range(3))
+
+
+def virtual_stage(provider: Any) -> Optional[int]:
+    """The model chunk a dataset provider builds for: Megatron-LM binds ``vp_stage`` to its
+    provider (a ``functools.partial``) with virtual pipeline stages; None without."""
+    if isinstance(provider, functools.partial):
+        return provider.keywords.get("vp_stage")
+    return None
 
 
 def _argument(args: tuple[Any, ...], kwargs: dict[str, Any], index: int, name: str) -> Any:
@@ -316,9 +364,6 @@ def check_arguments(args: argparse.Namespace) -> None:
             f"{args.tensor_model_parallel_size} x pipeline {args.pipeline_model_parallel_size}"
             f" x context {args.context_parallel_size}); use at least 2 data-parallel replicas")
     refused = {
-        "--overlap-param-gather": args.overlap_param_gather,
-        "--num-layers-per-virtual-pipeline-stage (virtual pipeline stages)":
-            args.virtual_pipeline_model_parallel_size is not None,
         "--inprocess-restart": getattr(args, "inprocess_restart", False),
         "--context-parallel-size > 1": args.context_parallel_size > 1,
         "--expert-model-parallel-size > 1": args.expert_model_parallel_size > 1,

@@ -79,6 +79,8 @@ def lm_template_refusals(args: argparse.Namespace, call: Optional[PretrainCall])
             call is None or (call.model_provider is None and _model_config(call) is None),
         "a pipeline of more than 2 stages (its middle stages hold no training dataset)":
             args.pipeline_model_parallel_size > 2,
+        "virtual pipeline stages (--num-layers-per-virtual-pipeline-stage)":
+            args.virtual_pipeline_model_parallel_size is not None,
         f"--dataloader-type {args.dataloader_type}": args.dataloader_type != "single",
         "--rampup-batch-size": getattr(args, "rampup_batch_size", None) is not None,
         "--phase-transition-iterations": bool(getattr(args, "phase_transition_iterations",

@@ -16,7 +16,17 @@ from pathlib import Path
 import pytest
 
 from support.gpt_jobs import digest, read_events
-from support.megatron_lm_jobs import ENV, FLAGS, LLAMA_TP2, PP2, SCRIPT, mover_launch, torchrun
+from support.megatron_lm_jobs import (
+    ENV,
+    FLAGS,
+    INTERLEAVED_PP4,
+    LLAMA3_RECIPE,
+    PP2,
+    SCRIPT,
+    lm_losses,
+    mover_launch,
+    torchrun,
+)
 from mover_plugin.testing import run_command
 
 def iterations_logged(output: str) -> int:
@@ -33,18 +43,19 @@ def failure_free_pp2(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def failure_free_llama_tp2(tmp_path_factory):
-    """The Llama-style set at TP2 x DP2 with the distributed optimizer, no interruption."""
-    result = mover_launch(*LLAMA_TP2, cwd=tmp_path_factory.mktemp("failure-free-llama"))
+def failure_free_llama3(tmp_path_factory):
+    """Megatron-LM's Llama 3 recipe scaled down (TP2 x DP2, the distributed optimizer with
+    overlapped gradient reductions and parameter gathers, bf16), no interruption."""
+    result = mover_launch(*LLAMA3_RECIPE, cwd=tmp_path_factory.mktemp("failure-free-llama"))
     assert result.returncode == 0, result.output[-4000:]
     return result
 
 
-@pytest.mark.parametrize("layout", [PP2, LLAMA_TP2], ids=["tp1-pp2", "llama-tp2-distopt"])
+@pytest.mark.parametrize("layout", [PP2, LLAMA3_RECIPE], ids=["tp1-pp2", "llama3-recipe-tp2"])
 def test_mover_launch_trains_megatron_lm_exactly_as_torchrun_does(layout, tmp_path,
                                                                   failure_free_pp2,
-                                                                  failure_free_llama_tp2):
-    launched = failure_free_pp2 if layout is PP2 else failure_free_llama_tp2
+                                                                  failure_free_llama3):
+    launched = failure_free_pp2 if layout is PP2 else failure_free_llama3
     assert launched.returncode == 0, launched.output[-4000:]
     reference = torchrun(*layout, cwd=tmp_path)
     assert reference.returncode == 0, reference.output[-4000:]
@@ -62,15 +73,12 @@ def test_mover_launch_trains_megatron_lm_exactly_as_torchrun_does(layout, tmp_pa
      "--policy resilient: pretrain_gpt.py does not run resilient; add --resilient"),
     (["--resilient", "--tensor-model-parallel-size", "2"], ["--policy", "resilient"],
      "--resilient needs a data-parallel twin for every rank, but the data-parallel size is 1"),
-    (["--resilient", "--use-distributed-optimizer", "--overlap-grad-reduce",
-      "--overlap-param-gather"], ["--policy", "resilient"],
-     "--resilient with --overlap-param-gather is not supported yet"),
     (["--resilient", "--resilient-fault-tolerance", "4"], ["--policy", "resilient"],
      "--resilient-fault-tolerance 4 is too large: it needs 5 pipelines"),
     (["--resilient", "--resilient-template-profile", "/nonexistent/profile.json"],
      ["--policy", "resilient"], "/nonexistent/profile.json: no such profile"),
 ], ids=["unknown-flag", "megatron-check", "resilience-setting", "policy-without-flag",
-        "resilient-without-twin", "resilient-overlap-param-gather", "templates-tolerance",
+        "resilient-without-twin", "templates-tolerance",
         "templates-profile"])
 def test_bad_megatron_lm_input_stops_the_job_before_any_worker(flags, launcher_flags, message,
                                                                tmp_path):
@@ -90,11 +98,13 @@ RESILIENT = ["--resilient", "--log-interval", "2"]
 iteration, and a joiner must run them in step with the others."""
 
 
-def resilient_run(tmp_path: Path, *, standbys: int = 1, injections=(), flags=(), layout=PP2):
+def resilient_run(tmp_path: Path, *, standbys: int = 1, injections=(), flags=(), layout=PP2,
+                  nproc: int = 4):
     summary, events = tmp_path / "summary.json", tmp_path / "events.jsonl"
     launcher = ["--policy", "resilient", "--standbys", str(standbys), "--summary", str(summary),
                 "--event-log", str(events), "--stop-grace-s", "2", *injections]
-    result = mover_launch(*layout, *RESILIENT, *flags, launcher_flags=launcher, cwd=tmp_path)
+    result = mover_launch(*layout, *RESILIENT, *flags, launcher_flags=launcher, cwd=tmp_path,
+                          nproc=nproc)
     assert result.returncode == 0, result.output[-5000:]
     return result, json.loads(summary.read_text()), read_events(events)
 
@@ -166,15 +176,21 @@ def test_megatron_lm_survives_a_migration_and_a_hang_exactly(tmp_path, failure_f
     assert adopted_by_rank(events) == {1: True, 2: True}
 
 
-def test_the_distributed_optimizer_continues_in_place_from_the_peer_copy(
-        tmp_path, failure_free_llama_tp2):
-    """The Llama-style set at TP2 x DP2 with the distributed optimizer: rank 1 SIGKILLed at
-    step 3 (its shard comes from the copy its data-parallel peer keeps), then rank 2 moved to a
-    standby at step 4 (it hands over its own shard). Neither rolls back."""
+def test_the_llama3_recipe_continues_in_place_from_the_peer_copy(tmp_path,
+                                                                 failure_free_llama3):
+    """Megatron-LM's Llama 3 recipe scaled down (the distributed optimizer with overlapped
+    gradient reductions and parameter gathers, bf16 with bf16 reductions, per-token loss):
+    rank 1 SIGKILLed at step 3 (its shard, the fp32 main copy included, comes from the copy its
+    data-parallel peer keeps; the joiner's first iteration gathers the parameters with the
+    others'), then rank 2 moved to a standby at step 4 (it hands over its own shard). Neither
+    rolls back."""
     result, summary, events = resilient_run(
-        tmp_path, standbys=2, layout=LLAMA_TP2,
+        tmp_path, standbys=2, layout=LLAMA3_RECIPE, flags=["--log-interval", "1"],
         injections=["--inject-failure", "1:3", "--inject-migration", "2:4"])
-    assert digest(result) == digest(failure_free_llama_tp2)
+    assert digest(result) == digest(failure_free_llama3)
+    losses = lm_losses(result.stdout)
+    assert sorted(losses) == [1, 2, 3, 4, 5, 6]
+    assert losses == lm_losses(failure_free_llama3.stdout)
     assert summary["steps_completed"] == 6 and summary["restarts"] == 0
     crash, migration = summary["interruptions"]
     assert (crash["kind"], crash["rank"], crash["recovery"]) == ("failure", 1, "standby")
@@ -193,6 +209,38 @@ def test_the_distributed_optimizer_continues_in_place_from_the_peer_copy(
     # A sharded optimizer's kept objects fit only tensor- and data-parallel index 0: rank 1
     # (tensor-parallel index 1) and rank 2 (data-parallel index 1) are built on promotion.
     assert adopted_by_rank(events) == {1: False, 2: False}
+
+
+def test_an_interleaved_pipeline_of_four_stages_survives_middle_stage_losses_exactly(tmp_path):
+    """PP4 x DP2 with two virtual stages per rank, the distributed optimizer and
+    --overlap-grad-reduce (8 processes, dropout on): rank 2 (stage 1) SIGKILLed inside iteration
+    3, while its data-parallel peers have gradient reductions in flight (each survivor drops
+    them before the redo), then rank 5 (stage 2) moved to a standby at step 4."""
+    (tmp_path / "reference").mkdir()
+    reference = torchrun(*INTERLEAVED_PP4, *RESILIENT[1:], cwd=tmp_path / "reference", nproc=8)
+    assert reference.returncode == 0, reference.output[-4000:]
+    result, summary, events = resilient_run(
+        tmp_path, standbys=2, layout=INTERLEAVED_PP4, nproc=8,
+        injections=["--inject-failure", "2:3", "--inject-migration", "5:4"])
+    assert digest(result) == digest(reference)
+    # Every iteration Megatron-LM logged (1, 2, 4, 6) has the failure-free loss.
+    assert lm_losses(result.stdout) == lm_losses(reference.stdout)
+    assert sorted(lm_losses(reference.stdout)) == [1, 2, 4, 6]
+    assert summary["steps_completed"] == 6 and summary["restarts"] == 0
+    crash, migration = summary["interruptions"]
+    assert (crash["kind"], crash["rank"], crash["recovery"]) == ("failure", 2, "standby")
+    assert (migration["kind"], migration["rank"], migration["recovery"]) == (
+        "migration", 5, "standby")
+    assert crash["rolled_back_to"] is None and migration["rolled_back_to"] is None
+    assert switched_roles(events, crash["generation"]) == {
+        r: "joiner" if r == 2 else "survivor" for r in range(8)}
+    assert not [e for e in events if e["event"] in ("rolled_back", "restart", "fallback")]
+    # The standbys warmed up as the first, last and a middle stage (each rank's two model
+    # chunks); rank 2 (stage 1, data-parallel index 0) takes the middle stage's objects, rank
+    # 5 (stage 2) is built on promotion.
+    assert [e["kept"] for e in events if e["event"] == "standby_warmed"] == [
+        ["first", "last", "middle"]] * 2
+    assert adopted_by_rank(events) == {2: True, 5: False}
 
 
 NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0"]
@@ -224,12 +272,14 @@ def test_the_restart_policy_resumes_megatron_lm_from_its_own_checkpoint_exactly(
     assert digest(result) == digest(reference)
 
 
-DISTRIBUTED_PP2 = [*PP2, *NO_DROPOUT, "--use-distributed-optimizer"]
+DISTRIBUTED_PP2 = [*PP2, *NO_DROPOUT, "--use-distributed-optimizer", "--overlap-grad-reduce",
+                   "--overlap-param-gather"]
 
 
 @pytest.fixture(scope="module")
 def failure_free_distributed_pp2(tmp_path_factory):
-    """TP1 x PP2 x DP2 with the distributed optimizer and no dropout, no interruption."""
+    """TP1 x PP2 x DP2 with the distributed optimizer (gradient reductions and parameter
+    gathers overlapped) and no dropout, no interruption."""
     result = mover_launch(*DISTRIBUTED_PP2, cwd=tmp_path_factory.mktemp("failure-free-distopt"))
     assert result.returncode == 0, result.output[-4000:]
     return result
@@ -260,7 +310,9 @@ def test_without_a_peer_copy_every_rank_rolls_back_in_place_to_the_checkpoint(
         tmp_path, failure_free_distributed_pp2):
     """The distributed optimizer with --resilient-no-peer-copy: the lost rank's shard exists
     nowhere, so every rank, processes kept, loads Megatron-LM's last checkpoint (its default
-    torch_dist format, saved every 2 iterations) and trains on from iteration 4."""
+    torch_dist format, saved every 2 iterations) and trains on from iteration 4 (entering
+    train() again: its config set-up, forward pre-hooks and parameter gathers as at a
+    start)."""
     ckpt = str(tmp_path / "ckpt")
     result, summary, events = resilient_run(
         tmp_path, layout=DISTRIBUTED_PP2, injections=["--inject-failure", "1:6"],
