@@ -36,6 +36,9 @@ RANDOM = ("--dropout", "0.1", "--augment", "--shuffle")
 """A data-parallel script's randomness, every rank seeded alike."""
 BY_RANK = (*RANDOM, "--seed-by-rank")
 """The same seeded with ``1234 + rank``."""
+MIGRATION_ROOM_S = 0.25
+"""The least time a step of a job with a migration at step 3 lasts (see
+:func:`check_migration_and_sigkill`)."""
 SHORT_EPOCHS = (*RANDOM, "--samples", "64", "--workers", "1", "--worker-augment")
 """RANDOM with epochs of 4 steps, read by a loader whose worker process shifts each sample by
 an offset it draws: a joiner's script makes a new epoch's iterator while it catches up."""
@@ -180,8 +183,12 @@ def test_zero_3_recovers_a_sigkill_inside_an_iteration_and_a_migration(
 def check_migration_and_sigkill(tmp_path, config, reference, leaver=3, killed=0, shadow=0,
                                script_flags=(), placement=ONE_HOST, standbys=2):
     """Rank ``leaver`` migrates at step 3, rank ``killed`` is SIGKILLed as it begins a drawn
-    step: both recovered in place with the failure-free result. Returns the job's output."""
+    step: both recovered in place with the failure-free result. Returns the job's output.
+    Each step lasts at least MIGRATION_ROOM_S: the migration's standby gets ready while the
+    job trains (a job that ends first cancels the migration, and the SIGKILL held back behind
+    it never comes; seen with the machine loaded by other jobs)."""
     block = {"peer_copy": True, "standbys": standbys, "standby_shadow_iterations": shadow}
+    script_flags = (*script_flags, "--step-min-s", str(MIGRATION_ROOM_S))
     killed_at = drawn_step(f"SIGKILL of rank {killed}", *KILL_STEPS)
     result, summary, events = resilient_job(tmp_path, block,
                                             "--inject-migration", f"{leaver}:3",

@@ -58,7 +58,8 @@ def megatron_lm_args(**overrides) -> argparse.Namespace:
                   decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None,
                   pipeline_model_parallel_layout=None,
                   account_for_embedding_in_pipeline_split=False,
-                  account_for_loss_in_pipeline_split=False, mtp_num_layers=None)
+                  account_for_loss_in_pipeline_split=False, mtp_num_layers=None,
+                  virtual_pipeline_model_parallel_size=None)
     return argparse.Namespace(**{**values, **overrides})
 
 
@@ -75,6 +76,7 @@ def test_a_job_megatron_lm_can_train_on_templates_is_refused_nothing():
 
 @pytest.mark.parametrize("overrides, reason", [
     ({"pipeline_model_parallel_size": 4}, "a pipeline of more than 2 stages"),
+    ({"virtual_pipeline_model_parallel_size": 2}, "virtual pipeline stages"),
     ({"dataloader_type": "cyclic"}, "--dataloader-type cyclic"),
     ({"rampup_batch_size": [4, 4, 100]}, "--rampup-batch-size"),
     ({"phase_transition_iterations": [10]}, "--phase-transition-iterations"),

@@ -21,6 +21,9 @@ torch.distributed, or before ``deepspeed.initialize`` from ``RANK``); ``--worker
 each sample's token ids by an offset the loader's worker process draws from its own streams
 (seeded by the loader from the main process's torch stream, each epoch).
 
+``--step-min-s S`` makes every step last at least S seconds (a test's room for a migration's
+standby to get ready while the job trains).
+
 Given ``--local_rank=N`` (the deepspeed launcher's argument), it prints ``LOCAL_RANK_ARG N`` and
 checks that N is the process's ``LOCAL_RANK``.
 """
@@ -33,6 +36,7 @@ import hashlib
 import os
 import random
 import sys
+import time
 
 import deepspeed
 import numpy as np
@@ -61,6 +65,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--samples", type=int, default=SAMPLES)
     parser.add_argument("--workers", type=int, default=0)
     parser.add_argument("--worker-augment", action="store_true")
+    parser.add_argument("--step-min-s", type=float, default=0.0)
     return deepspeed.add_config_arguments(parser).parse_args()
 
 
@@ -103,6 +108,7 @@ def main() -> None:
     for _ in range(start * accumulation):
         next(batches)  # resume where the checkpoint's step left the data
     for step in range(start, args.steps):
+        began = time.perf_counter()
         total = 0.0
         for _ in range(accumulation):
             tokens, labels = next(batches)
@@ -114,6 +120,7 @@ def main() -> None:
             print(f"step {step + 1}/{args.steps} | loss {total / accumulation:.6f}", flush=True)
         if args.save and args.save_interval and (step + 1) % args.save_interval == 0:
             engine.save_checkpoint(args.save)
+        time.sleep(max(0.0, began + args.step_min_s - time.perf_counter()))
     report_digest(engine)
     dist.destroy_process_group()
 
