@@ -399,8 +399,9 @@ def train_step(args, model, optimizer, scheduler, dataset, iteration: int):
         micro_batch_size=args.micro_batch_size,
         forward_only=False,
     )
-    _, grad_norm, _ = optimizer.step()
-    scheduler.step(increment=args.global_batch_size)
+    applied, grad_norm, _ = optimizer.step()
+    if applied:  # as Megatron-LM's train_step: a skipped update (fp16 overflow) keeps the lr
+        scheduler.step(increment=args.global_batch_size)
     return data_parallel_mean_loss(losses), grad_norm or 0.0
 
 

@@ -26,3 +26,8 @@ class UnsupportedVersionError(PatchError):
 
 class LaunchError(MoverError):
     """The launcher could not start or keep the job running."""
+
+
+class StateTransferError(MoverError):
+    """A rank's state cannot be copied or handed over as it is: its tensors do not match, in
+    size, what the other side holds or expects."""

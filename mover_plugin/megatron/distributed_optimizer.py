@@ -93,6 +93,36 @@ def publish_received_shard(optimizer: Any) -> None:
             item._copy_main_params_to_model_params()
 
 
+def create_state_up_front(optimizer: Any) -> None:
+    """Gives every distributed optimizer over torch's Adam (or AdamW) the state its first
+    update would create (a zero ``step`` and zero moments, as torch's Adam creates them),
+    before that update: the math of every update is unchanged, and the shard has its full
+    size from the first iteration on. Otherwise the state appears at the first update that
+    is applied, which with ``--fp16`` may come after iterations whose update the loss scaler
+    skipped: the shard would grow within a generation (the peer copy's buffers are sized
+    once per generation), and a joiner of such an early iteration, whose state is created
+    before it receives its shard, would step differently from the ranks without one."""
+    for item in distributed_optimizers(optimizer):
+        inner = item.optimizer
+        if not isinstance(inner, torch.optim.Adam):
+            continue
+        for group in inner.param_groups:
+            for main in group["params"]:
+                if len(inner.state[main]) == 0:
+                    inner.state[main].update(adam_state_before_first_step(main, group))
+
+
+def adam_state_before_first_step(main: torch.Tensor,
+                                 group: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The state torch's Adam creates for a parameter at its first step (torch 2.13/2.14)."""
+    on_device = group.get("capturable", False) or group.get("fused", False)
+    step = (torch.zeros((), dtype=torch.float32, device=main.device) if on_device
+            else torch.tensor(0.0, dtype=torch.float32))
+    moments = ["exp_avg", "exp_avg_sq", *(["max_exp_avg_sq"] if group.get("amsgrad") else [])]
+    return {"step": step, **{name: torch.zeros_like(main, memory_format=torch.preserve_format)
+                             for name in moments}}
+
+
 def ensure_shard_state(optimizer: Any) -> None:
     """Creates the optimizer state of every distributed optimizer that has none yet (a dummy
     step with zero gradients; the values are overwritten by the shard received)."""

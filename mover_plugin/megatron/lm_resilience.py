@@ -416,6 +416,11 @@ class MegatronLMResilience(MegatronResilience):
         """Timers a dropped attempt started are stopped, their partial measure dropped."""
         _stop_timers_except(step.started_timers)
 
+    def scheduler_increment(self) -> int:
+        """As Megatron-LM's ``train_step`` steps its scheduler: the samples of the running
+        iteration's global batch (which grows under ``--rampup-batch-size``)."""
+        return _iteration_samples(self.args) * getattr(self.args, "gtp_weight_remat_size", 1)
+
     def model_state_tensors(self) -> list[torch.Tensor]:
         return [tensor for chunk in self._model for tensor in module_state_tensors(chunk.module)]
 
@@ -461,7 +466,7 @@ class MegatronLMResilience(MegatronResilience):
         step = self._step
         assert step is not None, "state is sent from inside an iteration"
         return {**super().state_blob(), "step_start": step.iteration, "counters": step.counters,
-                "data_flags": data_flags(self.args)}
+                "step_samples": _iteration_samples(self.args), "data_flags": data_flags(self.args)}
 
     def load_state(self, state: dict[str, Any], transfer: Transfer) -> None:
         super().load_state(state, transfer)
@@ -471,7 +476,15 @@ class MegatronLMResilience(MegatronResilience):
         args = self.args
         args.iteration = state["iteration"]
         load_loop_state(args, state)
-        args.consumed_train_samples += done * args.global_batch_size
+        args.consumed_train_samples += done * state["step_samples"]
+
+
+def _iteration_samples(args: argparse.Namespace) -> int:
+    """The samples of the running iteration's global batch, as Megatron-LM's loop counts them
+    (the batch grows under ``--rampup-batch-size``)."""
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+    return get_num_microbatches() * args.micro_batch_size * args.data_parallel_size
 
 
 def _completed_in_switch() -> tuple[Any, ...]:

@@ -73,6 +73,7 @@ from mover_plugin.errors import LaunchError
 from mover_plugin.megatron.checkpoint import capture_rng_state, restore_rng_state
 from mover_plugin.megatron.ddp_syncs import drop_syncs_in_flight
 from mover_plugin.megatron.distributed_optimizer import (
+    create_state_up_front,
     ensure_shard_state,
     publish_received_shard,
     restore_step_counters,
@@ -88,6 +89,7 @@ from mover_plugin.megatron.standby import (
     warm_up,
 )
 from mover_plugin.megatron.templates.stage import StageRecipe, load_schedule
+from mover_plugin.megatron.update_gate import UpdateGate
 from mover_plugin.progress import ProgressReporter
 from mover_plugin.runtime.adapter import Continuation, Transfer
 from mover_plugin.runtime.handover import module_state_tensors
@@ -123,8 +125,8 @@ class MegatronResilience:
         self._model: Any = None
         self._optimizer: Any = None
         self._scheduler: Any = None
-        self._apply_update: Callable[[], bool] = lambda: True
-        """The optimizer's own update, without the commit gate (set by :meth:`attach`)."""
+        self._gate: Optional[UpdateGate] = None
+        """The commit gate in the optimizer's step (set by :meth:`attach`)."""
         self._warmed: Optional[WarmedStandby] = None
         """A standby's model of the role it kept from its warm-up in the sandbox."""
         self._adopted = False
@@ -210,23 +212,19 @@ class MegatronResilience:
     def attach(self, model: Any, optimizer: Any, scheduler: Any) -> None:
         """Registers the training objects and puts the commit gate before every update."""
         self._model, self._optimizer, self._scheduler = model, optimizer, scheduler
-        update, runtime = optimizer.step_with_ready_grads, self.runtime
+        runtime = self.runtime
         self._sharded = uses_distributed_optimizer(optimizer)
+        if self._sharded:
+            create_state_up_front(optimizer)
         if self._sharded and not getattr(self.args, "resilient_no_peer_copy", False):
             self._peer_copy = PeerCopy(runtime.control.store, runtime.rank, runtime.timeout())
-        peer_copy = self._peer_copy
-
-        def gated_update() -> bool:
-            if peer_copy is not None:
-                peer_copy.before_update()
-            runtime.commit()
-            applied = update()
-            runtime.ledger.count_running_iteration()
-            return applied
-
-        optimizer.step_with_ready_grads = gated_update
-        self._apply_update = update
+        self._gate = UpdateGate(optimizer, scheduler, runtime, self._peer_copy,
+                                self.scheduler_increment)
         self.templates.publish_spec()
+
+    def scheduler_increment(self) -> int:
+        """What the scheduler steps by in one iteration: its global batch's samples."""
+        return self.args.global_batch_size
 
     @property
     def training_objects(self) -> tuple[Any, Any, Any]:
@@ -338,19 +336,11 @@ class MegatronResilience:
         return max(record for record in records if record is not None)
 
     def settle_iteration(self, target: int, snapshot: dict[str, Any]) -> None:
-        """Brings this survivor to ``target`` completed iterations."""
-        ledger = self.runtime.ledger
-        step = ledger.step
-        if ledger.may_finish_update(target):
-            # Some rank passed the commit: every rank's gradients were complete.
-            self._apply_update()
-            self._scheduler.step(increment=self.args.global_batch_size)
-            ledger.applied = target
-        if ledger.applied != target:
-            raise LaunchError(
-                f"rank {self.runtime.rank} completed {ledger.applied} iterations but the job "
-                f"is at {target}; it cannot catch up"
-            )
+        """Brings this survivor to ``target`` completed iterations
+        (:meth:`~mover_plugin.megatron.update_gate.UpdateGate.settle`)."""
+        assert self._gate is not None, "a crash before attach()"
+        self._gate.settle(target)
+        step = self.runtime.ledger.step
         if step is not None and step.iteration == target:
             # The interrupted iteration is dropped and will be redone from its start.
             self.restore_snapshot(snapshot)
@@ -382,10 +372,13 @@ class MegatronResilience:
         parallel_state.destroy_model_parallel()
 
     def capture_snapshot(self) -> dict[str, Any]:
-        return capture_rng_state()
+        gate = {} if self._gate is None else {"update": self._gate.snapshot()}
+        return {**capture_rng_state(), **gate}
 
     def restore_snapshot(self, snapshot: dict[str, Any]) -> None:
         restore_rng_state(snapshot)
+        if self._gate is not None and "update" in snapshot:
+            self._gate.restore(snapshot["update"])
         self._drop_syncs_in_flight()
 
     def _drop_syncs_in_flight(self) -> None:

@@ -31,6 +31,7 @@ from torch.distributed import PrefixStore, Store
 
 from mover_plugin.comm.process_group import MoverProcessGroup
 from mover_plugin.contract import handover_prefix
+from mover_plugin.errors import StateTransferError
 
 _SOURCE, _JOINER = 0, 1
 
@@ -48,7 +49,9 @@ def open_handover(store: Store, generation: int, rank: int, *, source: bool,
 def send_state(group: MoverProcessGroup, tensors: Sequence[torch.Tensor], state: Any) -> None:
     """The source's side: ``tensors`` (in the order the joiner lists its own) and ``state``."""
     for bucket in _buckets(tensors):
-        _broadcast(group, _pack(bucket))
+        flat = _pack(bucket)
+        _broadcast(group, torch.tensor([flat.numel()], dtype=torch.int64))
+        _broadcast(group, flat)
     payload = torch.frombuffer(bytearray(serialize(state)), dtype=torch.uint8)
     _broadcast(group, torch.tensor([payload.numel()], dtype=torch.int64))
     _broadcast(group, payload)
@@ -59,6 +62,7 @@ def receive_state(group: MoverProcessGroup, tensors: Sequence[torch.Tensor]) -> 
     with torch.no_grad():
         for bucket in _buckets(tensors):
             flat = _host_buffer(bucket)
+            _expect_numel(group, flat)
             _broadcast(group, flat)
             _unpack(flat, bucket)
     size = torch.zeros(1, dtype=torch.int64)
@@ -129,6 +133,18 @@ def _buckets(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
     for tensor in tensors:
         by_dtype.setdefault(tensor.dtype, []).append(tensor)
     return [by_dtype[dtype] for dtype in sorted(by_dtype, key=str)]
+
+
+def _expect_numel(group: MoverProcessGroup, flat: torch.Tensor) -> None:
+    """Receives the size of the source's next bucket; raises if it is not ``flat``'s (the
+    two sides list different tensors of that dtype: the values would land in the wrong
+    tensors)."""
+    size = torch.zeros(1, dtype=torch.int64)
+    _broadcast(group, size)
+    if int(size.item()) != flat.numel():
+        raise StateTransferError(
+            f"the source sends {int(size.item())} {flat.dtype} elements where this joiner's "
+            f"tensors of that dtype hold {flat.numel()}: they were not built alike")
 
 
 def _broadcast(group: MoverProcessGroup, tensor: torch.Tensor) -> None:

@@ -42,6 +42,7 @@ from torch.distributed import PrefixStore, Store
 
 from mover_plugin.comm.process_group import MoverProcessGroup
 from mover_plugin.contract import peer_copy_prefix
+from mover_plugin.errors import StateTransferError
 from mover_plugin.host_memory import PageLockedBuffer
 from mover_plugin.runtime.ledger import StepLedger
 
@@ -267,6 +268,13 @@ class PeerCopy:
         outgoing = self._outgoing
         assert outgoing is not None
         numel, side_bytes = self._sizes[0]
+        now = sum(tensor.numel() for tensor in shard)
+        if now != numel:
+            raise StateTransferError(
+                f"rank {self._rank}: the optimizer shard has {now} elements, but {numel} when "
+                "this generation's ring was opened; the copy's buffers are sized once per "
+                "generation, so the shard must keep its size (create the optimizer's state "
+                "before the first step)")
         if side is not None:
             _side_bytes(outgoing, numel, side_bytes).copy_(side)
         outgoing = outgoing[:numel]

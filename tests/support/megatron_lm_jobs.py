@@ -48,6 +48,23 @@ INTERLEAVED_PP4 = ["--pipeline-model-parallel-size", "4", "--num-layers", "8",
 """TP1 x PP4 x DP2 (8 processes) with two virtual stages per rank (Megatron-LM's interleaved
 1F1B schedule), the distributed optimizer and gradient reductions overlapped with the
 backward pass."""
+GPT3_RECIPE = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+               "--micro-batch-size", "1", "--global-batch-size", "8",
+               "--rampup-batch-size", "4", "4", "8", "--weight-decay", "0.1",
+               "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--init-method-std", "0.006",
+               "--clip-grad", "1.0", "--fp16", "--lr", "6.0e-5", "--min-lr", "6.0e-6",
+               "--lr-warmup-fraction", ".001", "--lr-decay-iters", "8", "--train-iters", "8",
+               "--initial-loss-scale", "1048576", "--loss-scale-window", "2",
+               "--hysteresis", "1"]
+"""Megatron-LM's GPT-3 175B recipe (``examples/gpt3/train_gpt3_175b_distributed.sh`` at
+core_v0.19.0) scaled down to TP2 x PP2 x DP2 (8 processes): its training flags (fp16 with
+the dynamic loss scaler, the batch-size ramp-up, Adam's betas, weight decay, clipping, the
+cosine schedule), its micro-batch size and its tensor and pipeline parallelism
+(``--rampup-batch-size`` is accepted and, as under torchrun, ignored: Megatron-Core 0.19
+deprecated it for ``--step-batch-size-schedule``). The loss
+scaler starts lower and adapts faster than by default, so that the few steps both skip
+updates (fp16 overflows) and apply them. Left out: ``--attention-backend`` (GPU-only), its
+sizes, data and checkpoint flags, and its evaluations."""
 ENV = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
 """Set by Megatron-LM's own launch scripts; its checks ask for it with tensor parallelism."""
 

@@ -9,6 +9,7 @@ mover_plugin. On this machine (no CUDA) the CPU stand-ins come from the worker c
 from __future__ import annotations
 
 import json
+import re
 import sys
 import textwrap
 from pathlib import Path
@@ -19,6 +20,7 @@ from support.gpt_jobs import digest, read_events
 from support.megatron_lm_jobs import (
     ENV,
     FLAGS,
+    GPT3_RECIPE,
     INTERLEAVED_PP4,
     LLAMA3_RECIPE,
     PP2,
@@ -243,6 +245,47 @@ def test_an_interleaved_pipeline_of_four_stages_survives_middle_stage_losses_exa
     assert adopted_by_rank(events) == {2: True, 5: False}
 
 
+def skipped_iterations(output: str) -> list[int]:
+    """The iterations whose update the fp16 loss scaler skipped (Megatron-LM logs no gradient
+    norm for them), with --log-interval 1."""
+    return [int(step) for step, line in ITERATION_LINE.findall(output)
+            if "| grad norm:" not in line]
+
+
+ITERATION_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ (\|.*)")
+
+
+def test_the_gpt3_recipe_in_fp16_survives_losses_in_skipped_updates_exactly(tmp_path):
+    """Megatron-LM's GPT-3 recipe scaled down (TP2 x PP2 x DP2, fp16 with its loss scaler):
+    under mover-launch as under torchrun; with --resilient, rank 5 (a tensor-parallel rank of
+    the last stage) SIGKILLed at step 2, an iteration whose update the loss scaler skips and
+    before any update was applied, then rank 2 (first stage) moved to a standby at step 5,
+    skipped too. Each skipped iteration counts as completed with a null update; a redone one
+    starts from the loss scaler's state at its start."""
+    (tmp_path / "launched").mkdir()
+    (tmp_path / "reference").mkdir()
+    launched = mover_launch(*GPT3_RECIPE, "--log-interval", "1", cwd=tmp_path / "launched",
+                            nproc=8)
+    assert launched.returncode == 0, launched.output[-4000:]
+    reference = torchrun(*GPT3_RECIPE, "--log-interval", "1", cwd=tmp_path / "reference",
+                         nproc=8)
+    assert reference.returncode == 0, reference.output[-4000:]
+    assert digest(launched) == digest(reference)
+    assert skipped_iterations(reference.stdout) == [1, 2, 5]
+    result, summary, events = resilient_run(
+        tmp_path, standbys=2, layout=GPT3_RECIPE, nproc=8, flags=["--log-interval", "1"],
+        injections=["--inject-failure", "5:2", "--inject-migration", "2:5"])
+    assert digest(result) == digest(reference)
+    assert lm_losses(result.stdout) == lm_losses(reference.stdout)
+    assert skipped_iterations(result.stdout) == [1, 2, 5]
+    assert summary["steps_completed"] == 8 and summary["restarts"] == 0
+    crash, migration = summary["interruptions"]
+    assert (crash["kind"], crash["rank"], crash["recovery"]) == ("failure", 5, "standby")
+    assert (migration["kind"], migration["rank"], migration["recovery"]) == (
+        "migration", 2, "standby")
+    assert not [e for e in events if e["event"] in ("rolled_back", "restart", "fallback")]
+
+
 NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0"]
 """Megatron-LM's own resume is exact only without dropout: it restores the RNG states of the
 checkpoint before it builds the data loaders, whose iterators draw a seed from torch's
@@ -327,6 +370,34 @@ def test_without_a_peer_copy_every_rank_rolls_back_in_place_to_the_checkpoint(
     assert sorted(e["rank"] for e in rolled) == [0, 1, 2, 3]
     assert all(e["iteration"] == 4 and "--resilient-no-peer-copy" in e["reason"]
                for e in rolled)
+
+
+FP16_DISTRIBUTED_PP2 = [*PP2, "--use-distributed-optimizer", "--fp16",
+                        "--initial-loss-scale", "1048576", "--loss-scale-window", "2",
+                        "--hysteresis", "1"]
+
+
+def test_the_distributed_optimizer_in_fp16_continues_from_the_peer_copy_after_a_skipped_update(
+        tmp_path):
+    """TP1 x PP2 x DP2, the distributed optimizer in fp16 (dropout on): rank 1 SIGKILLed at
+    step 3, an iteration whose update the loss scaler skips. The optimizer's state exists
+    from the first iteration, so the shard the peer copy keeps has its full size although
+    the first update was skipped; the survivors redo the iteration from the loss scaler's
+    state at its start and the joiner's shard comes from its peer's copy."""
+    (tmp_path / "reference").mkdir()
+    reference = mover_launch(*FP16_DISTRIBUTED_PP2, "--log-interval", "1",
+                             cwd=tmp_path / "reference")
+    assert reference.returncode == 0, reference.output[-4000:]
+    assert skipped_iterations(reference.stdout) == [1, 3, 6]
+    result, summary, events = resilient_run(tmp_path, layout=FP16_DISTRIBUTED_PP2,
+                                            flags=["--log-interval", "1"],
+                                            injections=["--inject-failure", "1:3"])
+    assert digest(result) == digest(reference)
+    assert lm_losses(result.stdout) == lm_losses(reference.stdout)
+    (crash,) = summary["interruptions"]
+    assert (crash["rank"], crash["recovery"], crash["rolled_back_to"]) == (1, "standby", None)
+    assert summary["restarts"] == 0
+    assert not [e for e in events if e["event"] in ("rolled_back", "restart", "fallback")]
 
 
 def test_a_script_that_imports_no_framework_runs_through_the_worker_command_unchanged(tmp_path):
