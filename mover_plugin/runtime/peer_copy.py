@@ -230,19 +230,30 @@ class PeerCopy:
     def _connect(self, generation: int, following: int, previous: int,
                  shard: Sequence[torch.Tensor], side: int) -> None:
         """Opens the groups of this generation's ring (blocks until both neighbours open
-        theirs) and learns the size of the previous rank's shard and side record."""
-        if self._links is not None and self._links[:3] == (generation, following, previous):
-            return  # the sizes are the same at every step of a generation
+        theirs) and learns the size of the previous rank's shard and side record; within a
+        generation, learns it again when this rank's shard changed size."""
         mine = (sum(tensor.numel() for tensor in shard), side)
+        if self._links is not None and self._links[:3] == (generation, following, previous):
+            if mine != self._sizes[0]:
+                self._exchange_sizes(mine, shard_dtype(shard))
+            return
         self.close()
         # Every rank opens its two groups in one global order (by source, then destination),
         # so that no two neighbours wait for each other in opposite orders.
         edges = sorted([(self._rank, following, _SOURCE), (previous, self._rank, _DESTINATION)])
         opened = {role: self._pair(generation, source, destination, role)
                   for source, destination, role in edges}
-        sending, receiving = opened[_SOURCE], opened[_DESTINATION]
-        self._links = (generation, following, previous, sending, receiving)
-        dtype = shard_dtype(shard)
+        self._links = (generation, following, previous, opened[_SOURCE], opened[_DESTINATION])
+        self._exchange_sizes(mine, shard_dtype(shard))
+
+    def _exchange_sizes(self, mine: tuple[int, int], dtype: torch.dtype) -> None:
+        """Sends this rank's (shard elements, side bytes) to the next rank and receives the
+        previous rank's, then sizes the buffers. A shard changes size when its optimizer
+        creates its state, at the first update it applies (later than the first step where
+        fp16's loss scaler skips updates); every rank of a data-parallel group applies the
+        same updates, so its neighbours exchange sizes again at the same step."""
+        assert self._links is not None
+        sending, receiving = self._links[3], self._links[4]
         received = torch.zeros(2, dtype=torch.int64)
         works = [sending.broadcast([torch.tensor(mine, dtype=torch.int64)], _SOURCE),
                  receiving.broadcast([received], _SOURCE)]
@@ -270,11 +281,8 @@ class PeerCopy:
         numel, side_bytes = self._sizes[0]
         now = sum(tensor.numel() for tensor in shard)
         if now != numel:
-            raise StateTransferError(
-                f"rank {self._rank}: the optimizer shard has {now} elements, but {numel} when "
-                "this generation's ring was opened; the copy's buffers are sized once per "
-                "generation, so the shard must keep its size (create the optimizer's state "
-                "before the first step)")
+            raise StateTransferError(f"rank {self._rank}: the optimizer shard has {now} "
+                                     f"elements, the copy's buffer {numel}")
         if side is not None:
             _side_bytes(outgoing, numel, side_bytes).copy_(side)
         outgoing = outgoing[:numel]

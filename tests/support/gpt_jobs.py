@@ -14,9 +14,12 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 from mover_plugin.testing import CommandResult, processes_with_env, run_command
-from support.paths import EXAMPLES
+from support.paths import EXAMPLES, SCRIPTS
 
 EXAMPLE = str(EXAMPLES / "pretrain_gpt.py")
+HELD_EXAMPLE = str(SCRIPTS / "pretrain_gpt_held.py")
+"""The example, with rank 0 held between steps while a file says so (for tests that must act
+while the job still trains, however slow the machine: see the script)."""
 LAUNCH = [sys.executable, "-m", "mover_plugin.launch.cli"]
 MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
          "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "8"]

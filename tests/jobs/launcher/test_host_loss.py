@@ -10,6 +10,8 @@ the spare host's standbys in one generation; host 0's workers train on in their 
 alarm reached them within their failure timeout), and the result is the failure-free run's, bit
 for bit. A host not in the hostfile joins the running job (mover-launch --join) as a spare host,
 as does the SIGKILLed host's mover-launch started again; their standbys take the next ranks lost.
+While hosts join, rank 0 is held between steps (``pretrain_gpt_held.py``), so that the job
+cannot end before they are ready, however slow the machine.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ from typing import Callable, Iterator
 
 import pytest
 
-from support.gpt_jobs import (EXAMPLE, LAUNCH, MODEL, background_job, digest, pretrain, read_events,
-                              tagged_processes, wait_for_events, worker_pid)
+from support.gpt_jobs import (HELD_EXAMPLE, LAUNCH, MODEL, background_job, digest, pretrain,
+                              read_events, tagged_processes, wait_for_events, worker_pid)
 from support.netns import can_make_namespaces, namespace_hosts
 
 from mover_plugin.launch.job_secret import JOB_SECRET_ENV
@@ -58,6 +60,9 @@ class ThreeHosts:
         """The controller's store port on host 0."""
         self.events_path = tmp_path / "events.jsonl"
         self.summary_path = tmp_path / "summary.json"
+        self.hold = tmp_path / "hold"
+        """Rank 0 waits between steps while this file names its generation
+        (``pretrain_gpt_held.py``): the job cannot end before the test has acted."""
         self.processes = processes
         self.commands = commands
         """The command that started each host's mover-launch."""
@@ -96,13 +101,17 @@ def three_hosts(tmp_path: Path, addresses: list[str],
     common = [*LAUNCH, "--hostfile", str(hostfile), "--master-addr", addresses[0],
               "--master-port", str(port), "--policy", "resilient", "--standbys", "0",
               "--stop-grace-s", "2", "--refill-delay-s", "600"]  # no refill competes for CPU
-    script = [EXAMPLE, *MODEL, *TP2, "--resilient"]
+    # A hold (below) keeps the others waiting in their collectives: well within this bound.
+    script = [HELD_EXAMPLE, *MODEL, *TP2, "--resilient", "--resilient-collective-timeout-s",
+              "180"]
+    (tmp_path / "hold").write_text("")
     own = {0: ["--summary", str(tmp_path / "summary.json"),
                "--event-log", str(tmp_path / "events.jsonl")]}
     commands = {node: on_host(node, [*common, "--node-rank", str(node), *own.get(node, []),
                                      *script]) for node in (1, 2, 0)}
     with ExitStack() as stack:
-        processes = {node: stack.enter_context(background_job(command, str(tmp_path), JOB_ENV))
+        env = {**JOB_ENV, "HOLD_FILE": str(tmp_path / "hold")}
+        processes = {node: stack.enter_context(background_job(command, str(tmp_path), env))
                      for node, command in commands.items()}
         job = ThreeHosts(tmp_path, [processes[0], processes[1], processes[2]], commands,
                          port)
@@ -154,20 +163,24 @@ def test_a_host_sigkilled_with_its_agent_is_replaced_by_the_spare_host_and_comes
         survivors = job.ranks_0_and_1()
         doomed = job.workers_of(1)
         assert len(doomed) == 2
+        job.hold.write_text("1")  # held in generation 1 until the new host's standby is ready
         for pid in [job.processes[1].pid, *doomed]:
             os.kill(pid, signal.SIGKILL)
         job.wait_for(lambda es: any(e["event"] == "resumed" for e in es))
         assert job.ranks_0_and_1() == survivors
         joining = [*LAUNCH, "--join", f"127.0.0.1:{job.port}", "--nproc-per-node", "1",
                    "--host", "127.0.0.4"]
+        env = {**JOB_ENV, "HOLD_FILE": str(job.hold)}
         with ExitStack() as hosts:
-            new = hosts.enter_context(background_job(joining, job.tag, JOB_ENV))
+            new = hosts.enter_context(background_job(joining, job.tag, env))
             job.wait_for(_joined_standbys_ready(1))
             # the new host's standby is the only one ready: it takes rank 2
+            job.hold.write_text("2")  # released; held in generation 2 until host 1 is back
             os.kill(worker_pid(2, job.tag, standby="a0.n2.s0"), signal.SIGKILL)
-            back = hosts.enter_context(background_job(job.commands[1], job.tag, JOB_ENV))
+            back = hosts.enter_context(background_job(job.commands[1], job.tag, env))
             job.wait_for(lambda es: sum(e["event"] == "resumed" for e in es) >= 2)
             job.wait_for(_joined_standbys_ready(3))
+            job.hold.write_text("")
             os.kill(worker_pid(3, job.tag, standby="a0.n2.s1"), signal.SIGKILL)
             output = job.run_on_after_losing_host_1(survivors, resumed=3)
             new_output, _ = new.communicate(timeout=60)

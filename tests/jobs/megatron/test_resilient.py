@@ -13,8 +13,8 @@ import sys
 
 import pytest
 
-from support.gpt_jobs import (EXAMPLE, LAUNCH, MODEL, background_job, digest, pretrain, read_events,
-                              wait_for_events, worker_pid)
+from support.gpt_jobs import (EXAMPLE, HELD_EXAMPLE, LAUNCH, MODEL, background_job, digest,
+                              pretrain, read_events, wait_for_events, worker_pid)
 from mover_plugin.testing import run_command
 from support.paths import SCRIPTS
 
@@ -326,9 +326,6 @@ def test_an_error_of_the_training_code_ends_the_job_with_its_traceback(tmp_path)
     assert summary["exit_code"] == 1 and summary["restarts"] == 0
     (interruption,) = summary["interruptions"]
     assert interruption["rank"] == 1 and interruption["recovery"] == "restart"
-
-
-HELD_EXAMPLE = str(SCRIPTS / "pretrain_gpt_held.py")
 
 
 def _holder_pid(events, rank, tag):

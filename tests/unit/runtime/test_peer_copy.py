@@ -71,6 +71,29 @@ def test_each_rank_keeps_the_previous_ranks_shard_of_its_own_size(stores):
         copy.close()
 
 
+def test_a_shard_that_grows_within_a_generation_is_copied_whole(stores):
+    """An optimizer creates its state at the first update it applies (with fp16, after
+    skipped ones): every rank's shard grows at the same step, the ring learns the new sizes
+    over its open groups and the copy holds the whole new shard."""
+    mains = {0: torch.arange(4.0), 1: torch.arange(3.0) + 10}
+    shards = {rank: [main] for rank, main in mains.items()}
+    copies = {rank: PeerCopy(stores[rank], rank, TIMEOUT) for rank in shards}
+    for version in (1, 2):
+        in_threads(*(lambda r=rank: copies[r].refresh(shards[r], version, 0, (1 - r, 1 - r))
+                     for rank in shards))
+        for copy in copies.values():
+            copy.settle()
+        for rank in shards:
+            other = 1 - rank
+            assert copies[rank].held_version == version
+            assert torch.equal(copies[rank].held()[0],
+                               torch.cat([t.reshape(-1) for t in shards[other]]))
+        # The first applied update creates each rank's moments.
+        shards = {rank: [main, main * 0.5, main * 0.25] for rank, main in mains.items()}
+    for copy in copies.values():
+        copy.close()
+
+
 def test_a_side_record_travels_after_the_shard_in_the_same_buffer(stores):
     """Bytes of a size that is no multiple of the shard's element size: the copy holds the
     shard, then exactly the side record, and both change at the next exchange."""
