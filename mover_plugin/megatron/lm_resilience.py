@@ -418,7 +418,7 @@ class MegatronLMResilience(MegatronResilience):
 
     def scheduler_increment(self) -> int:
         """As Megatron-LM's ``train_step`` steps its scheduler: the samples of the running
-        iteration's global batch (which grows under ``--rampup-batch-size``)."""
+        iteration's global batch (which grows under ``--step-batch-size-schedule``)."""
         return _iteration_samples(self.args) * getattr(self.args, "gtp_weight_remat_size", 1)
 
     def model_state_tensors(self) -> list[torch.Tensor]:
@@ -481,7 +481,7 @@ class MegatronLMResilience(MegatronResilience):
 
 def _iteration_samples(args: argparse.Namespace) -> int:
     """The samples of the running iteration's global batch, as Megatron-LM's loop counts them
-    (the batch grows under ``--rampup-batch-size``)."""
+    (the batch grows under ``--step-batch-size-schedule``)."""
     from megatron.core.num_microbatches_calculator import get_num_microbatches
 
     return get_num_microbatches() * args.micro_batch_size * args.data_parallel_size

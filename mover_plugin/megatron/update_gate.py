@@ -99,7 +99,9 @@ class UpdateGate:
     # -- an attempt's start, and a redo ---------------------------------------------------
 
     def snapshot(self) -> dict[str, Any]:
-        """What a redone attempt starts from (the loss scalers' state); the attempt begins."""
+        """What a redone attempt starts from (the loss scalers' state); an attempt begins.
+        Taken at an iteration boundary only: the runtime takes one as each iteration starts,
+        and a rank sending its state takes one at the boundary its receiver starts from."""
         self.begin_attempt()
         return {"loss_scalers": [_scaler_state(scaler) for scaler in self._scalers()]}
 
