@@ -28,7 +28,6 @@ between) steps it. An iteration that is redone starts from the loss scaler's sta
 from __future__ import annotations
 
 import enum
-import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -37,8 +36,6 @@ import torch
 from mover_plugin.errors import LaunchError
 from mover_plugin.runtime.peer_copy import PeerCopy
 from mover_plugin.runtime.resilience import ResilienceRuntime
-
-logger = logging.getLogger(__name__)
 
 
 class UpdateKind(enum.Enum):

@@ -63,6 +63,8 @@ class ThreeHosts:
         self.hold = tmp_path / "hold"
         """Rank 0 waits between steps while this file names its generation
         (``pretrain_gpt_held.py``): the job cannot end before the test has acted."""
+        self.env = {**JOB_ENV, "HOLD_FILE": str(self.hold)}
+        """The environment of every host's mover-launch, a joining host's too."""
         self.processes = processes
         self.commands = commands
         """The command that started each host's mover-launch."""
@@ -170,14 +172,13 @@ def test_a_host_sigkilled_with_its_agent_is_replaced_by_the_spare_host_and_comes
         assert job.ranks_0_and_1() == survivors
         joining = [*LAUNCH, "--join", f"127.0.0.1:{job.port}", "--nproc-per-node", "1",
                    "--host", "127.0.0.4"]
-        env = {**JOB_ENV, "HOLD_FILE": str(job.hold)}
         with ExitStack() as hosts:
-            new = hosts.enter_context(background_job(joining, job.tag, env))
+            new = hosts.enter_context(background_job(joining, job.tag, job.env))
             job.wait_for(_joined_standbys_ready(1))
             # the new host's standby is the only one ready: it takes rank 2
             job.hold.write_text("2")  # released; held in generation 2 until host 1 is back
             os.kill(worker_pid(2, job.tag, standby="a0.n2.s0"), signal.SIGKILL)
-            back = hosts.enter_context(background_job(job.commands[1], job.tag, env))
+            back = hosts.enter_context(background_job(job.commands[1], job.tag, job.env))
             job.wait_for(lambda es: sum(e["event"] == "resumed" for e in es) >= 2)
             job.wait_for(_joined_standbys_ready(3))
             job.hold.write_text("")
