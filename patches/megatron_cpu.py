@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import importlib.util
 import logging
 import sys
@@ -328,6 +329,20 @@ def apply_sync() -> Undo:
 # --- stream --------------------------------------------------------------------------------------
 
 
+class CpuEvent:
+    """Stands in for ``torch.cuda.Event``: recorded on a synchronous stream, it is complete."""
+
+    def synchronize(self) -> None:
+        """Nothing to wait for."""
+
+    def wait(self, stream: object = None) -> None:
+        """Nothing to wait for."""
+
+    def query(self) -> bool:
+        """The work before it is complete."""
+        return True
+
+
 class CpuStream:
     """Stands in for ``torch.cuda.Stream``: CPU work is synchronous, so every wait is met."""
 
@@ -342,8 +357,9 @@ class CpuStream:
         """Nothing to wait for."""
 
     def record_event(self, event: object = None) -> object:
-        """Return ``event`` unchanged."""
-        return event
+        """``event``, or a new complete one (as torch's returns a new event when given none:
+        the alltoall token dispatcher of MoE layers synchronizes on it)."""
+        return CpuEvent() if event is None else event
 
     def synchronize(self) -> None:
         """Nothing to wait for."""
@@ -375,7 +391,8 @@ def apply_stream() -> Undo:
     reduction (any DDP config); also by ``DistributedDataParallel.__init__``
     (``torch.cuda.Stream(...)``) and ``finish_grad_sync`` (``torch.cuda.stream``,
     ``default_stream().wait_stream``) when ``num_distributed_optimizer_instances > 1``, and by
-    Megatron-LM's ``training.get_model``.
+    Megatron-LM's ``training.get_model``, and by the MoE ``alltoall`` token dispatcher
+    (``_maybe_dtoh_and_synchronize``: a side stream, an event recorded on it and synchronized).
     """
     swap = AttributeSwap()
     swap.set_attr(torch.cuda, "Stream", CpuStream)
@@ -514,3 +531,36 @@ def apply_optstate() -> Undo:
                   _with_state_for_loading(DistributedOptimizer.sharded_state_dict))
     return swap.restore
 
+
+
+# --- moesplits -----------------------------------------------------------------------------------
+
+
+def _host_copy(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def maybe_move_tensor_to_cpu(tensor: Any, as_numpy: bool = False,
+                                 record_stream: bool = False) -> Any:
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    return maybe_move_tensor_to_cpu
+
+
+@_cpu_patch("moesplits", "the MoE alltoall dispatcher's split sizes become host arrays, as "
+            "after its device-to-host copy")
+def apply_moesplits() -> Undo:
+    """Make ``maybe_move_tensor_to_cpu(tensor, as_numpy=True)`` return a NumPy array for a
+    tensor already on the host, as it does for one on a GPU after the copy.
+
+    Needed by the ``alltoall`` token dispatcher of MoE layers
+    (``MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize``): it moves the expert-parallel
+    split sizes to the host as NumPy arrays, which ``torch.distributed.all_to_all_single``
+    accepts as sizes; a host tensor is left a tensor, and ``all_to_all_single`` refuses it
+    ("incompatible function arguments"). Only the dispatcher's module name is replaced.
+    """
+    token_dispatcher = importlib.import_module("megatron.core.transformer.moe.token_dispatcher")
+    swap = AttributeSwap()
+    swap.set_attr(token_dispatcher, "maybe_move_tensor_to_cpu",
+                  _host_copy(token_dispatcher.maybe_move_tensor_to_cpu))
+    return swap.restore

@@ -29,6 +29,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, Moc
 from megatron.core.enums import ModelType
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_decoder_block_spec,
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
 )
@@ -46,7 +47,11 @@ def model_provider(pre_process: bool = True, post_process: bool = True,
     """This rank's part of the GPT model (the stages ``pre_process``/``post_process`` say)."""
     args = get_args()
     config = config or core_transformer_config_from_args(args)
-    if args.transformer_impl == "local":
+    if args.num_experts:  # mixture of experts: each layer's own spec, as Megatron-LM builds it
+        layer_spec = get_gpt_decoder_block_spec(
+            config, use_transformer_engine=args.transformer_impl != "local",
+            normalization=args.normalization, qk_l2_norm=args.qk_l2_norm, vp_stage=vp_stage)
+    elif args.transformer_impl == "local":
         layer_spec = get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm,
                                               normalization=args.normalization)
     else:

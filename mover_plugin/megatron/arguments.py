@@ -267,7 +267,7 @@ def checked_template_profile(args: argparse.Namespace, tolerance: int) -> Option
     must describe this model, fit some host count, and leave a plan after losing up to F hosts;
     its record for the planner is returned (None without one, or when the job never shrinks).
     Raises :class:`ConfigError` naming the bad value. Megatron-LM's ``args`` work too."""
-    if args.tensor_model_parallel_size != 1:
+    if args.tensor_model_parallel_size != 1 or getattr(args, "num_experts", None):
         return None  # such a job never shrinks onto templates
     stages = args.world_size  # one rank per pipeline stage (tensor-parallel size 1)
     microbatches = args.global_batch_size // args.micro_batch_size

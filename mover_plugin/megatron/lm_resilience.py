@@ -82,6 +82,7 @@ from mover_plugin.megatron.templates.megatron_lm import (
     lm_template_refusals,
 )
 from mover_plugin.megatron.resilience import MegatronResilience
+from mover_plugin.megatron.moe import clear_moe_metrics
 from mover_plugin.megatron.standby import parallel_layout
 from mover_plugin.runtime.adapter import Transfer
 from mover_plugin.runtime.handover import module_state_tensors
@@ -203,6 +204,8 @@ class MegatronLMResilience(MegatronResilience):
         self._parallel_kwargs = {
             "tensor_model_parallel_size": args.tensor_model_parallel_size,
             "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
+            "expert_model_parallel_size": args.expert_model_parallel_size,
+            "expert_tensor_parallel_size": args.expert_tensor_parallel_size,
             "create_gloo_process_groups": False,
         }
         if runtime.is_standby:
@@ -341,6 +344,7 @@ class MegatronLMResilience(MegatronResilience):
                 self._rolled_back = False
                 raise RolledBack(completed) from None
             self._stop_timers_started_since(self._step)
+            clear_moe_metrics()
             logger.warning("rank %d: a peer was lost after iteration %d; its log line is "
                            "dropped", self.runtime.rank, completed)
             return if_interrupted

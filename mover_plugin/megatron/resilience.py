@@ -80,6 +80,7 @@ from mover_plugin.megatron.distributed_optimizer import (
     shard_tensors,
     uses_distributed_optimizer,
 )
+from mover_plugin.megatron.moe import capture_moe_metrics, restore_moe_metrics
 from mover_plugin.megatron.templates.participant import CoreLoop, MegatronTemplates, TemplateLoop
 from mover_plugin.megatron.standby import (
     StandbyWarmUp,
@@ -373,12 +374,13 @@ class MegatronResilience:
 
     def capture_snapshot(self) -> dict[str, Any]:
         gate = {} if self._gate is None else {"update": self._gate.snapshot()}
-        return {**capture_rng_state(), **gate}
+        return {**capture_rng_state(), **gate, "moe_metrics": capture_moe_metrics()}
 
     def restore_snapshot(self, snapshot: dict[str, Any]) -> None:
         restore_rng_state(snapshot)
         if self._gate is not None and "update" in snapshot:
             self._gate.restore(snapshot["update"])
+        restore_moe_metrics(snapshot.get("moe_metrics", {}))
         self._drop_syncs_in_flight()
 
     def _drop_syncs_in_flight(self) -> None:
@@ -401,14 +403,14 @@ class MegatronResilience:
         if self._peer_copy is not None:
             self._peer_copy.settle()
 
-    @staticmethod
-    def _ring() -> tuple[int, int]:
-        """The next and the previous global rank of this rank's data-parallel group."""
-        from megatron.core import parallel_state
-
-        group = parallel_state.get_data_parallel_group()
-        ranks = dist.get_process_group_ranks(group)
-        index = ranks.index(dist.get_rank())
+    def _ring(self) -> tuple[int, int]:
+        """The next and the previous global rank among this rank and its twins (its
+        data-parallel group, and with experts only the ranks of it that hold its experts too):
+        the holder of a rank's copy also holds the parameters its joiner needs."""
+        rank = self.runtime.rank
+        layout = parallel_layout(self.runtime.world_size, self._parallel_kwargs)
+        ranks = sorted([rank, *layout.data_parallel_twins(rank)])
+        index = ranks.index(rank)
         return ranks[(index + 1) % len(ranks)], ranks[(index - 1) % len(ranks)]
 
     def model_state_tensors(self) -> list[torch.Tensor]:

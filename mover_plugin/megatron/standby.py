@@ -11,13 +11,15 @@ are warm afterwards, and nothing has reached the job's ranks.
 
 It keeps what it built for every role it played that fits its memory budget (each role's model,
 DDP and optimizer, with the sandbox groups they hold). On promotion to a rank of a kept role
-(same pipeline stage, tensor-parallel index 0, and, with the distributed optimizer,
-data-parallel index 0), those objects are *adopted*: every sandbox group they hold is replaced
+(same pipeline stage, tensor-parallel index 0, expert indices 0 when the model has
+mixture-of-experts layers, and, with the distributed optimizer, data-parallel index 0), those
+objects are *adopted*: every sandbox group they hold is replaced
 by the job's group of the same purpose (paired through Megatron-Core's ``parallel_state``), the
 other roles' objects are released, and the state then comes from the data-parallel twin as
 usual. Every stage of a pipeline of up to three stages is thus warm. A rank of another role (a
-tensor-parallel index other than 0, a middle stage after the second in a deeper pipeline, or a
-data-parallel index other than 0 when the optimizer is sharded) is built on promotion, with
+tensor-parallel index other than 0, a middle stage after the second in a deeper pipeline, other
+experts, or a data-parallel index other than 0 when the optimizer is sharded) is built on
+promotion, with
 warm code paths: Megatron-Core fixes the DDP grad buffers and the optimizer's parameter groups
 when it builds them (with the distributed optimizer, the shard a rank updates and the bucket
 groups' rank in the data-parallel group among them), so one role's objects cannot be turned
@@ -95,7 +97,9 @@ class PipelineRole:
 def parallel_layout(world_size: int, parallel: dict[str, Any]) -> ParallelLayout:
     """The layout given by ``initialize_model_parallel``'s keyword arguments."""
     return ParallelLayout.for_world(world_size, parallel.get("tensor_model_parallel_size", 1),
-                                    parallel.get("pipeline_model_parallel_size", 1))
+                                    parallel.get("pipeline_model_parallel_size", 1),
+                                    ep=parallel.get("expert_model_parallel_size", 1),
+                                    etp=parallel.get("expert_tensor_parallel_size"))
 
 
 def pipeline_roles(layout: ParallelLayout) -> list[PipelineRole]:
@@ -124,8 +128,11 @@ class KeptRole:
     DDP bucket groups are fixed for the data-parallel index the role was played at (0)."""
 
     def fits(self, coordinates: Coordinates) -> bool:
-        """Whether a rank at ``coordinates`` can take these objects over."""
-        if (coordinates.pp, coordinates.tp) != (self.role.stage, 0):
+        """Whether a rank at ``coordinates`` can take these objects over. A mixture-of-experts
+        layer fixes which experts it holds when it is built: the role was played at expert
+        indices 0."""
+        if (coordinates.pp, coordinates.tp, coordinates.ep, coordinates.etp) != (
+                self.role.stage, 0, 0, 0):
             return False
         return coordinates.dp == 0 or not self.sharded
 

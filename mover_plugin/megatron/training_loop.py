@@ -26,7 +26,9 @@ import of ``megatron.training``:
 pretrain_gpt.py ...``, which is how a failure-free ``torchrun`` run is compared with a
 ``mover-launch`` run.
 
-Not yet on this path with ``--resilient``: context and expert parallelism, and Megatron-LM's
+Mixture-of-experts layers (``--num-experts``, ``--expert-model-parallel-size``) are resilient
+when every rank's experts have a twin (an expert-data-parallel size of at least 2). Not yet on
+this path with ``--resilient``: experts without a twin, context parallelism and Megatron-LM's
 own in-process restart are refused before the job starts.
 """
 
@@ -39,6 +41,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, NoReturn, Optional
 
 from mover_plugin.errors import ConfigError
+from mover_plugin.layout import ParallelLayout
 from mover_plugin.progress import ProgressReporter
 from mover_plugin.patches.megatron_lm_hooks import MegatronLMHooks, install_hooks
 from mover_plugin.runtime.preflight import exit_checked, exit_with_error, in_preflight
@@ -363,10 +366,17 @@ def check_arguments(args: argparse.Namespace) -> None:
             f"size is {args.data_parallel_size} (world size {args.world_size} / tensor "
             f"{args.tensor_model_parallel_size} x pipeline {args.pipeline_model_parallel_size}"
             f" x context {args.context_parallel_size}); use at least 2 data-parallel replicas")
+    if not lm_layout(args).data_parallel_twins(0):
+        raise ConfigError(
+            f"--resilient needs a twin for every rank's experts, but the expert-data-parallel "
+            f"size is 1 (data-parallel size {args.data_parallel_size} x tensor "
+            f"{args.tensor_model_parallel_size} / expert-model-parallel size "
+            f"{args.expert_model_parallel_size} x expert-tensor-parallel size "
+            f"{args.expert_tensor_parallel_size}); use at least twice as many ranks per "
+            f"pipeline stage as the experts are split over")
     refused = {
         "--inprocess-restart": getattr(args, "inprocess_restart", False),
         "--context-parallel-size > 1": args.context_parallel_size > 1,
-        "--expert-model-parallel-size > 1": args.expert_model_parallel_size > 1,
     }
     for flag, used in refused.items():
         if used:
@@ -376,16 +386,21 @@ def check_arguments(args: argparse.Namespace) -> None:
     args.use_gloo_process_groups = False
 
 
+def lm_layout(args: argparse.Namespace) -> ParallelLayout:
+    """The parallel layout of Megatron-LM's validated ``args``."""
+    return ParallelLayout.for_world(
+        args.world_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+        ep=args.expert_model_parallel_size, etp=args.expert_tensor_parallel_size)
+
+
 def report_digest(args: argparse.Namespace, model: list[Any]) -> None:
     """``PARAMS_DIGEST`` over the model chunks of every rank (same definition as the example's:
     :mod:`mover_plugin.digest`)."""
     from mover_plugin.digest import report_params_digest
-    from mover_plugin.layout import ParallelLayout
 
     if len(model) == 1:
         named = list(model[0].module.named_parameters())
     else:
         named = [(f"chunk{index}.{name}", tensor) for index, chunk in enumerate(model)
                  for name, tensor in chunk.module.named_parameters()]
-    report_params_digest(named, ParallelLayout.for_world(
-        args.world_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size))
+    report_params_digest(named, lm_layout(args))

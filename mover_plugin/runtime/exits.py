@@ -20,6 +20,7 @@ import os
 import sys
 import threading
 import traceback
+import weakref
 from typing import Optional
 
 from mover_plugin.comm import CollectiveAborted
@@ -107,7 +108,8 @@ def _flush_open_files() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     for item in gc.get_objects():
-        if isinstance(item, io.IOBase):
+        # A weak proxy answers isinstance() for its referent, and raises once that is gone.
+        if type(item) not in weakref.ProxyTypes and isinstance(item, io.IOBase):
             try:
                 if not item.closed and item.writable():
                     item.flush()

@@ -65,6 +65,59 @@ deprecated it for ``--step-batch-size-schedule``). The loss
 scaler starts lower and adapts faster than by default, so that the few steps both skip
 updates (fp16 overflows) and apply them. Left out: ``--attention-backend`` (GPU-only), its
 sizes, data and checkpoint flags, and its evaluations."""
+MIXTRAL_RECIPE = ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2",
+                  "--num-experts", "4", "--moe-router-topk", "2",
+                  "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "1e-2",
+                  "--moe-token-dispatcher-type", "alltoall", "--overlap-param-gather",
+                  "--overlap-grad-reduce", "--use-distributed-optimizer", "--sequence-parallel",
+                  "--use-mcore-models", "--disable-bias-linear", "--ffn-hidden-size", "128",
+                  "--init-method-std", "0.01", "--attention-dropout", "0.0",
+                  "--hidden-dropout", "0.0", "--normalization", "RMSNorm",
+                  "--position-embedding-type", "rope", "--swiglu",
+                  "--untie-embeddings-and-output-weights", "--group-query-attention",
+                  "--num-query-groups", "2", "--no-position-embedding",
+                  "--rotary-base", "1000000", "--no-rope-fusion", "--micro-batch-size", "1",
+                  "--lr", "1e-4", "--min-lr", "1.0e-5", "--lr-decay-style", "cosine",
+                  "--lr-warmup-iters", "1", "--lr-decay-iters", "6", "--weight-decay", "0.1",
+                  "--clip-grad", "1.0", "--bf16"]
+"""Megatron-LM's Mixtral 8x7B recipe (``examples/mixtral/train_mixtral_8x7b_distributed.sh``
+at core_v0.19.0) scaled down to TP1 x PP2 x DP4 (8 processes) with 4 experts over an
+expert-model-parallel size of 2, so that every rank's experts have a twin (an
+expert-data-parallel size of 2): its model flags (RMSNorm, SwiGLU, rotary embeddings, grouped
+queries, untied embeddings, no dropout), its MoE flags (top-2 routing with the load-balancing
+loss, the alltoall token dispatcher), its optimizer, schedule and precision flags (bf16, the
+distributed optimizer with both overlaps), and ``--sequence-parallel`` (which Megatron-LM turns
+off at TP1). Left out, GPU-only: ``--moe-grouped-gemm``; and its sizes, data, checkpoint and
+evaluation flags (PP4 x EP8 on its 32 GPUs would leave the experts without a twin)."""
+GPT_OSS_RECIPE = ["--expert-model-parallel-size", "2", "--num-experts", "4",
+                  "--moe-router-topk", "2", "--moe-router-load-balancing-type", "aux_loss",
+                  "--moe-aux-loss-coeff", "1e-3", "--moe-z-loss-coeff", "1e-3",
+                  "--moe-router-dtype", "fp32", "--moe-token-dispatcher-type", "alltoall",
+                  "--moe-ffn-hidden-size", "128", "--overlap-param-gather",
+                  "--overlap-grad-reduce", "--use-distributed-optimizer", "--sequence-parallel",
+                  "--context-parallel-size", "1", "--use-mcore-models", "--disable-bias-linear",
+                  "--untie-embeddings-and-output-weights", "--no-rope-fusion",
+                  "--normalization", "RMSNorm", "--ffn-hidden-size", "128",
+                  "--group-query-attention", "--num-query-groups", "2", "--rotary-percent", "1.0",
+                  "--rope-type", "rope", "--position-embedding-type", "rope",
+                  "--rotary-base", "10000", "--quick-geglu", "--glu-linear-offset", "1.0",
+                  "--softmax-type", "learnable", "--window-attn-skip-freq", "2",
+                  "--activation-func-clamp-value", "7.0", "--window-size", "15,0",
+                  "--no-create-attention-mask-in-dataloader", "--micro-batch-size", "1",
+                  "--lr", "1.0e-5", "--min-lr", "1.0e-6", "--lr-decay-style", "cosine",
+                  "--lr-warmup-fraction", "0.05", "--weight-decay", "0.1", "--clip-grad", "1.0",
+                  "--bf16"]
+"""Megatron-LM's gpt-oss recipe (``examples/gptoss/02_train.sh`` at core_v0.19.0) scaled down
+to TP1 x DP4 (4 processes) with 4 experts over EP2: its attention (learnable softmax offsets,
+sliding windows of 16 tokens on every other layer, grouped queries, RoPE), its quick-GeGLU
+experts with clamped activations, top-2 routing with the load-balancing and z losses in an
+fp32 router, the alltoall dispatcher, bf16 and the distributed optimizer with both overlaps.
+The recipe itself runs one pipeline stage per GPU with EP1 (no data-parallel twin at all, so
+``--resilient`` refuses it as it stands); here its stages become data-parallel replicas so that
+every rank has a twin. Left out: ``--enable-gpt-oss`` and ``--export-force-local-attention``
+(ModelOpt's flags, which Megatron-LM's parser has only with ``nvidia-modelopt`` installed),
+GPU-only ``--moe-grouped-gemm``, ``--moe-permute-fusion`` and Transformer Engine; its sizes,
+data and checkpoint flags."""
 ENV = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
 """Set by Megatron-LM's own launch scripts; its checks ask for it with tensor parallelism."""
 
@@ -87,3 +140,10 @@ STEP_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: (\S+) \|")
 def lm_losses(output: str) -> dict[int, float]:
     """The loss of every iteration Megatron-LM logged, by iteration (from 1)."""
     return {int(step): float(loss) for step, loss in STEP_LINE.findall(output)}
+
+
+def router_losses(output: str, name: str = "load_balancing_loss") -> dict[int, float]:
+    """One of the MoE routers' losses Megatron-LM logged (``load_balancing_loss``,
+    ``z_loss``), by iteration (from 1)."""
+    line = re.compile(rf"iteration\s+(\d+)/\s*\d+ \|.*?\| {name}: (\S+) \|")
+    return {int(step): float(loss) for step, loss in line.findall(output)}

@@ -52,3 +52,45 @@ def test_mismatched_replicas_finds_the_differing_group():
     assert mismatched_replicas(layout, ["a", "a", "b", "b"]) == []
     assert mismatched_replicas(layout, ["a", "a", "b", "c"]) == [[2, 3]]
     assert combine_digests(["a", "b"]) != combine_digests(["b", "a"])
+
+
+def test_expert_parallel_twins_hold_the_same_experts():
+    # Mixtral's recipe scaled down: TP1 x PP2 x DP4 with EP2: experts alternate within a stage.
+    layout = ParallelLayout.for_world(8, tp=1, pp=2, ep=2)
+    assert [layout.coordinates(rank).ep for rank in range(8)] == [0, 1, 0, 1, 0, 1, 0, 1]
+    assert layout.data_parallel_group(1) == [0, 1, 2, 3]
+    assert layout.expert_data_parallel_group(1) == [1, 3]
+    assert layout.data_parallel_twins(1) == [3]
+    assert layout.data_parallel_twins(6) == [4]
+    assert layout.replica_sets() == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert ParallelLayout.of_record(layout.record()) == layout
+
+
+@pytest.mark.parametrize("tp, etp, twins_of_0, twins_of_1", [
+    (2, None, [4], [5]),  # ETP = TP: ranks 0-1 hold experts 0, ranks 2-3 experts 1, ...
+    (2, 1, [2, 4, 6], [3, 5, 7]),  # ETP 1: each rank holds its experts whole
+])
+def test_expert_tensor_parallelism_decides_which_tensor_ranks_are_twins(
+        tp, etp, twins_of_0, twins_of_1):
+    layout = ParallelLayout.for_world(8, tp=tp, pp=1, ep=2, etp=etp)
+    assert layout.data_parallel_twins(0) == twins_of_0
+    assert layout.data_parallel_twins(1) == twins_of_1
+
+
+def test_experts_without_an_expert_data_parallel_replica_have_no_twin():
+    layout = ParallelLayout.for_world(4, tp=1, pp=2, ep=2)
+    assert layout.data_parallel_group(0) == [0, 1]
+    assert [layout.data_parallel_twins(rank) for rank in range(4)] == [[], [], [], []]
+    assert layout.replica_sets() == [[0], [1], [2], [3]]
+
+
+def test_experts_that_do_not_divide_a_stage_are_refused():
+    with pytest.raises(ConfigError, match=r"expert-tensor-parallel size 1 x "
+                       r"expert-model-parallel size 3 = 3 does not divide the 4 ranks of a "
+                       r"pipeline stage .*divisors of 4: \[1, 2, 4\]"):
+        ParallelLayout.for_world(8, tp=1, pp=2, ep=3)
+
+
+def test_a_record_without_experts_reads_as_a_dense_layout():
+    assert ParallelLayout.of_record({"tp": 2, "pp": 1, "dp": 2}) == ParallelLayout.for_world(
+        4, tp=2, pp=1)

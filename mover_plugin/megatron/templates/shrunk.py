@@ -75,6 +75,8 @@ def template_spec(args: argparse.Namespace, settings: ResilienceSettings,
     reasons = []
     if args.tensor_model_parallel_size != 1:
         reasons.append(f"tensor-parallel size {args.tensor_model_parallel_size}")
+    if getattr(args, "num_experts", None):
+        reasons.append("mixture-of-experts layers (--num-experts)")
     if sharded:
         reasons.append("the distributed optimizer")
     if torch.cuda.is_available():

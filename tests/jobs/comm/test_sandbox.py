@@ -59,6 +59,13 @@ def test_a_kept_role_fits_its_stage_at_tp0_and_with_a_sharded_optimizer_only_dp0
     assert [rank for rank in range(8) if first.fits(layout.coordinates(rank))] == fitting
 
 
+def test_a_kept_role_of_a_model_with_experts_fits_only_ranks_holding_the_same_experts():
+    layout = ParallelLayout.for_world(8, tp=1, pp=2, ep=2)  # ranks 0, 2 hold experts 0
+    (first, _) = [KeptRole(role, (None, None, None), {}, False)
+                  for role in pipeline_roles(layout)]
+    assert [rank for rank in range(8) if first.fits(layout.coordinates(rank))] == [0, 2]
+
+
 # --------------------------------------------------------------------------- processes
 
 

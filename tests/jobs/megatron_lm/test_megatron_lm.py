@@ -21,11 +21,14 @@ from support.megatron_lm_jobs import (
     ENV,
     FLAGS,
     GPT3_RECIPE,
+    GPT_OSS_RECIPE,
     INTERLEAVED_PP4,
     LLAMA3_RECIPE,
+    MIXTRAL_RECIPE,
     PP2,
     SCRIPT,
     lm_losses,
+    router_losses,
     mover_launch,
     torchrun,
 )
@@ -75,12 +78,16 @@ def test_mover_launch_trains_megatron_lm_exactly_as_torchrun_does(layout, tmp_pa
      "--policy resilient: pretrain_gpt.py does not run resilient; add --resilient"),
     (["--resilient", "--tensor-model-parallel-size", "2"], ["--policy", "resilient"],
      "--resilient needs a data-parallel twin for every rank, but the data-parallel size is 1"),
+    (["--resilient", "--num-experts", "4", "--expert-model-parallel-size", "2"],
+     ["--policy", "resilient"], "--resilient needs a twin for every rank's experts, but the "
+     "expert-data-parallel size is 1 (data-parallel size 2 x tensor 1 / expert-model-parallel "
+     "size 2 x expert-tensor-parallel size 1)"),
     (["--resilient", "--resilient-fault-tolerance", "4"], ["--policy", "resilient"],
      "--resilient-fault-tolerance 4 is too large: it needs 5 pipelines"),
     (["--resilient", "--resilient-template-profile", "/nonexistent/profile.json"],
      ["--policy", "resilient"], "/nonexistent/profile.json: no such profile"),
 ], ids=["unknown-flag", "megatron-check", "resilience-setting", "policy-without-flag",
-        "resilient-without-twin", "templates-tolerance",
+        "resilient-without-twin", "experts-without-twin", "templates-tolerance",
         "templates-profile"])
 def test_bad_megatron_lm_input_stops_the_job_before_any_worker(flags, launcher_flags, message,
                                                                tmp_path):
@@ -255,6 +262,32 @@ def skipped_iterations(output: str) -> list[int]:
 ITERATION_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ (\|.*)")
 
 
+def launched_as_under_torchrun(tmp_path: Path, recipe: list[str], nproc: int = 8):
+    """A recipe's failure-free run (log interval 1) under mover-launch and under torchrun:
+    the same digest. Returns torchrun's run, the reference."""
+    (tmp_path / "launched").mkdir()
+    (tmp_path / "reference").mkdir()
+    launched = mover_launch(*recipe, "--log-interval", "1", cwd=tmp_path / "launched",
+                            nproc=nproc)
+    assert launched.returncode == 0, launched.output[-4000:]
+    reference = torchrun(*recipe, "--log-interval", "1", cwd=tmp_path / "reference",
+                         nproc=nproc)
+    assert reference.returncode == 0, reference.output[-4000:]
+    assert digest(launched) == digest(reference)
+    return reference
+
+
+def assert_recovered_in_place(summary, events, *, steps: int, crashed: int,
+                              migrated: int) -> None:
+    """Every step trained, a crash of ``crashed`` then a migration of ``migrated``, both by a
+    standby, without a restart, a fallback or a rollback."""
+    assert summary["steps_completed"] == steps and summary["restarts"] == 0
+    assert [(item["kind"], item["rank"], item["recovery"]) for item in
+            summary["interruptions"]] == [("failure", crashed, "standby"),
+                                          ("migration", migrated, "standby")]
+    assert not [e for e in events if e["event"] in ("rolled_back", "restart", "fallback")]
+
+
 def test_the_gpt3_recipe_in_fp16_survives_losses_in_skipped_updates_exactly(tmp_path):
     """Megatron-LM's GPT-3 recipe scaled down (TP2 x PP2 x DP2, fp16 with its loss scaler):
     under mover-launch as under torchrun; with --resilient, rank 5 (a tensor-parallel rank of
@@ -262,15 +295,7 @@ def test_the_gpt3_recipe_in_fp16_survives_losses_in_skipped_updates_exactly(tmp_
     before any update was applied, then rank 2 (first stage) moved to a standby at step 5,
     skipped too. Each skipped iteration counts as completed with a null update; a redone one
     starts from the loss scaler's state at its start."""
-    (tmp_path / "launched").mkdir()
-    (tmp_path / "reference").mkdir()
-    launched = mover_launch(*GPT3_RECIPE, "--log-interval", "1", cwd=tmp_path / "launched",
-                            nproc=8)
-    assert launched.returncode == 0, launched.output[-4000:]
-    reference = torchrun(*GPT3_RECIPE, "--log-interval", "1", cwd=tmp_path / "reference",
-                         nproc=8)
-    assert reference.returncode == 0, reference.output[-4000:]
-    assert digest(launched) == digest(reference)
+    reference = launched_as_under_torchrun(tmp_path, GPT3_RECIPE)
     assert skipped_iterations(reference.stdout) == [1, 2, 5]
     result, summary, events = resilient_run(
         tmp_path, standbys=2, layout=GPT3_RECIPE, nproc=8, flags=["--log-interval", "1"],
@@ -278,12 +303,49 @@ def test_the_gpt3_recipe_in_fp16_survives_losses_in_skipped_updates_exactly(tmp_
     assert digest(result) == digest(reference)
     assert lm_losses(result.stdout) == lm_losses(reference.stdout)
     assert skipped_iterations(result.stdout) == [1, 2, 5]
-    assert summary["steps_completed"] == 8 and summary["restarts"] == 0
-    crash, migration = summary["interruptions"]
-    assert (crash["kind"], crash["rank"], crash["recovery"]) == ("failure", 5, "standby")
-    assert (migration["kind"], migration["rank"], migration["recovery"]) == (
-        "migration", 2, "standby")
-    assert not [e for e in events if e["event"] in ("rolled_back", "restart", "fallback")]
+    assert_recovered_in_place(summary, events, steps=8, crashed=5, migrated=2)
+
+
+def test_the_mixtral_recipe_survives_losing_expert_parallel_ranks_exactly(tmp_path):
+    """Megatron-LM's Mixtral recipe scaled down (TP1 x PP2 x DP4, 4 experts over EP2, top-2
+    routing with the load-balancing loss, the alltoall dispatcher, bf16, the distributed
+    optimizer with both overlaps): under mover-launch as under torchrun; with --resilient,
+    rank 1 (first stage, the second pair of experts) SIGKILLed inside iteration 3 and replaced
+    from the peer copy of its expert twin, rank 3, then rank 6 (last stage, the first pair)
+    moved to a standby at step 5: the failure-free digest, every logged loss and load-balancing
+    loss equal, no restart."""
+    reference = launched_as_under_torchrun(tmp_path, MIXTRAL_RECIPE)
+    assert "DP_REPLICAS identical" in reference.stdout
+    assert len(router_losses(reference.stdout)) == 6
+    result, summary, events = resilient_run(
+        tmp_path, standbys=2, layout=MIXTRAL_RECIPE, nproc=8, flags=["--log-interval", "1"],
+        injections=["--inject-failure", "1:3", "--inject-migration", "6:5"])
+    assert digest(result) == digest(reference)
+    assert lm_losses(result.stdout) == lm_losses(reference.stdout)
+    assert router_losses(result.stdout) == router_losses(reference.stdout)
+    assert_recovered_in_place(summary, events, steps=6, crashed=1, migrated=6)
+    assert [e["twin"] for e in events if e["event"] == "promote" and e["rank"] == 1] == [3]
+
+
+def test_the_gpt_oss_recipe_survives_a_crash_and_a_migration_exactly(tmp_path):
+    """Megatron-LM's gpt-oss recipe scaled down (TP1 x DP4, 4 experts over EP2; learnable
+    softmax offsets, sliding windows, quick-GeGLU, the load-balancing and z losses): with
+    --resilient, rank 3 SIGKILLed inside iteration 3 and replaced from rank 1's copy (the
+    same experts), then rank 0 migrated at step 5: torchrun's digest, every logged loss and
+    router loss equal, no restart."""
+    (tmp_path / "reference").mkdir()
+    reference = torchrun(*GPT_OSS_RECIPE, "--log-interval", "1", cwd=tmp_path / "reference")
+    assert reference.returncode == 0, reference.output[-4000:]
+    assert len(router_losses(reference.stdout, "z_loss")) == 6
+    result, summary, events = resilient_run(
+        tmp_path, standbys=2, layout=GPT_OSS_RECIPE, flags=["--log-interval", "1"],
+        injections=["--inject-failure", "3:3", "--inject-migration", "0:5"])
+    assert digest(result) == digest(reference)
+    assert lm_losses(result.stdout) == lm_losses(reference.stdout)
+    for name in ("load_balancing_loss", "z_loss"):
+        assert router_losses(result.stdout, name) == router_losses(reference.stdout, name)
+    assert_recovered_in_place(summary, events, steps=6, crashed=3, migrated=0)
+    assert [e["twin"] for e in events if e["event"] == "promote" and e["rank"] == 3] == [1]
 
 
 NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0"]

@@ -269,7 +269,7 @@ def test_swap_restores_mapping_entries() -> None:
 def test_megatron_cpu_group_is_registered_with_its_range() -> None:
     group = patch_groups()[megatron_cpu.GROUP]
     assert group == ("notriton", "rng", "curdev", "factory", "sync", "stream", "clip", "typestr",
-                     "optstate")
+                     "optstate", "moesplits")
     patches = {p.name: p for p in available_patches()}
     for name in group:
         assert patches[name].distribution == "megatron-core"
@@ -617,8 +617,8 @@ def test_megatron_lm_cpu_group_applies_before_megatron_training_and_reverts() ->
     # stand-in takes the name of the one module that imports it.
     result = _run_lm_cpu_check(block_triton=True)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert ("APPLIED notriton,rng,curdev,factory,sync,stream,clip,typestr,optstate,nocuda-assert,"
-            "devcount,setdev,helpers,nowarmup,devarch") in result.stdout
+    assert ("APPLIED notriton,rng,curdev,factory,sync,stream,clip,typestr,optstate,moesplits,"
+            "nocuda-assert,devcount,setdev,helpers,nowarmup,devarch") in result.stdout
     assert "Stand-in without triton" in result.stdout and "REVERTED" in result.stdout
     # With triton installed (as PyPI's CUDA build of torch brings it), notriton is skipped.
     if importlib.util.find_spec("triton") is not None:

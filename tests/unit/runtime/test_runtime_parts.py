@@ -152,3 +152,25 @@ def test_an_error_of_its_own_is_described_with_its_traceback():
     assert described["error"] == "ValueError: bad batch"
     assert described["traceback"].startswith("Traceback") and "raise ValueError" in \
         described["traceback"]
+
+
+def test_flushing_open_files_at_exit_passes_over_a_dead_weak_proxy(tmp_path):
+    """A process ending through exit_now() flushes every open file it finds among the live
+    objects; a weak proxy whose referent is gone is among them (Megatron-Core's MoE layers
+    leave such proxies) and must not end the exit with a ReferenceError."""
+    code = (
+        "import weakref, sys\n"
+        "from mover_plugin.runtime.exits import _flush_open_files\n"
+        "class Referent: pass\n"
+        "referent = Referent()\n"
+        "proxy = weakref.proxy(referent)\n"
+        "del referent\n"
+        f"out = open({str(tmp_path / 'written.txt')!r}, 'w')\n"
+        "out.write('kept')\n"
+        "_flush_open_files()\n"
+        "sys.stdout.write(open(out.name).read())\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "kept"
