@@ -7,7 +7,11 @@ laid out over the same ``TP * DP`` ranks of a stage in the order ``etp-ep-edp``:
 expert-tensor-parallel index (ETP, by default TP) varies fastest, then the expert-model-parallel
 index (EP: which experts a rank holds), then the expert-data-parallel index. Two ranks hold
 the same parameters, dense and expert, only if they share the stage, the tensor-parallel index
-and the expert indices: those are a rank's *twins*. This module answers layout questions
+and the expert indices: those are a rank's *twins*. Where no other rank holds a rank's experts
+(an expert-data-parallel size of 1) but they travel in the rank's optimizer shard (Megatron-Core's
+distributed optimizer: the shard of a group of one is all of it), the ranks that hold its dense
+parameters are its twins: its state comes from them and its shard's copy. This module answers
+layout questions
 (coordinates, group members, twins) for any world size in microseconds, so the controller and
 tests can reason about 16K-rank jobs without processes.
 """
@@ -35,13 +39,15 @@ class Coordinates:
 class ParallelLayout:
     """Tensor-, data- and pipeline-parallel sizes (``world_size = tp * dp * pp``), and the
     expert-model- and expert-tensor-parallel sizes of mixture-of-experts layers (``ep``
-    is 1 without experts; ``etp`` None means TP)."""
+    is 1 without experts; ``etp`` None means TP). ``experts_in_shard``: experts that no other
+    rank holds travel in their rank's optimizer shard (see the module docstring)."""
 
     tp: int
     pp: int
     dp: int
     ep: int = 1
     etp: Optional[int] = None
+    experts_in_shard: bool = False
 
     def __post_init__(self) -> None:
         if self.etp is None:
@@ -49,7 +55,8 @@ class ParallelLayout:
 
     @classmethod
     def for_world(cls, world_size: int, tp: int, pp: int, *, ep: int = 1,
-                  etp: Optional[int] = None) -> "ParallelLayout":
+                  etp: Optional[int] = None, experts_in_shard: bool = False
+                  ) -> "ParallelLayout":
         """The layout with the given TP and PP; DP is what remains of ``world_size``. ``ep``
         and ``etp``: the experts' layout (``etp`` None: TP)."""
         for name, value in (("world size", world_size), ("tensor-model-parallel size", tp),
@@ -64,7 +71,8 @@ class ParallelLayout:
                 f"x pipeline-model-parallel size {pp} = {tp * pp}; choose TP x PP among the "
                 f"divisors of {world_size}: {_divisors(world_size)}"
             )
-        layout = cls(tp=tp, pp=pp, dp=world_size // (tp * pp), ep=ep, etp=etp)
+        layout = cls(tp=tp, pp=pp, dp=world_size // (tp * pp), ep=ep, etp=etp,
+                     experts_in_shard=experts_in_shard)
         per_stage, experts = layout.tp * layout.dp, layout._expert_span
         if per_stage % experts:
             raise ConfigError(
@@ -78,12 +86,13 @@ class ParallelLayout:
     def of_record(cls, record: dict[str, int]) -> "ParallelLayout":
         """The layout of a published record (:meth:`record`)."""
         return cls(tp=record["tp"], pp=record["pp"], dp=record["dp"], ep=record.get("ep", 1),
-                   etp=record.get("etp"))
+                   etp=record.get("etp"),
+                   experts_in_shard=bool(record.get("experts_in_shard", False)))
 
     def record(self) -> dict[str, int]:
         """The layout as a record to publish (JSON)."""
         return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "ep": self.ep,
-                "etp": self._expert_tp}
+                "etp": self._expert_tp, "experts_in_shard": int(self.experts_in_shard)}
 
     @property
     def _expert_tp(self) -> int:
@@ -122,10 +131,14 @@ class ParallelLayout:
                 if other % self._expert_span == local % self._expert_span]
 
     def data_parallel_twins(self, rank: int) -> list[int]:
-        """The other ranks holding exactly ``rank``'s parameters, dense and expert: the peers
-        a replacement can copy from."""
-        experts = set(self.expert_data_parallel_group(rank))
-        return [r for r in self.data_parallel_group(rank) if r != rank and r in experts]
+        """The peers a replacement of ``rank`` can copy from: the other ranks holding exactly
+        its parameters, dense and expert; or, when no other rank holds its experts and they
+        travel in its optimizer shard, the ranks holding its dense parameters."""
+        dense = [r for r in self.data_parallel_group(rank) if r != rank]
+        experts = self.expert_data_parallel_group(rank)
+        if self.experts_in_shard and experts == [rank]:
+            return dense
+        return [r for r in dense if r in experts]
 
     def pipeline_group(self, rank: int) -> list[int]:
         c = self.coordinates(rank)

@@ -15,7 +15,10 @@ the shard exists nowhere else.
   forward pass, so between two iterations no other rank holds this rank's shard of them
   current: the shard then also carries the fp32 parameters where they are views of the model's
   (:func:`gathers_late`), and a receiver writes the model's own shard from the main copy
-  (:func:`publish_received_shard`);
+  (:func:`publish_received_shard`). The same holds for an optimizer whose data-parallel group
+  is its rank alone (:func:`held_alone`: the experts of a mixture-of-experts model whose
+  expert-data-parallel size is 1): its shard is all of its parameters, which no other rank
+  holds;
 - :func:`ensure_shard_state`: a fresh optimizer has no state until its first step; a joiner
   creates it (Megatron-Core's own dummy step) before the shard is received in place, and loads
   the sender's ``state_dict()`` after, which keeps those tensors;
@@ -66,7 +69,7 @@ def shard_tensors(optimizer: Any) -> list[torch.Tensor]:
     tensors: list[torch.Tensor] = []
     for item in distributed_optimizers(optimizer):
         separate = {id(p) for group in item.shard_fp32_from_float16_groups for p in group}
-        late = gathers_late(item)
+        late = gathers_late(item) or held_alone(item)
         keys = item.optimizer_state_keys
         for group in item.optimizer.param_groups:
             for main in group["params"]:
@@ -84,12 +87,19 @@ def gathers_late(item: Any) -> bool:
     return bool(getattr(getattr(item, "ddp_config", None), "overlap_param_gather", False))
 
 
+def held_alone(item: Any) -> bool:
+    """Whether no other rank holds a distributed optimizer's parameters: its data-parallel
+    group (for the experts' optimizer, the expert-data-parallel group) is this rank alone."""
+    return item.data_parallel_group.size() == 1
+
+
 def publish_received_shard(optimizer: Any) -> None:
-    """After a shard was received: where the parameters are gathered late, the model's own
-    shard of the parameters is written from the received fp32 main copy (as the update
-    writes it), since the sender's model parameters are not current there."""
+    """After a shard was received: where the parameters are gathered late or held by this
+    rank alone, the model's own shard of the parameters is written from the received fp32
+    main copy (as the update writes it), since the sender's model parameters are not this
+    rank's there."""
     for item in distributed_optimizers(optimizer):
-        if gathers_late(item):
+        if gathers_late(item) or held_alone(item):
             item._copy_main_params_to_model_params()
 
 

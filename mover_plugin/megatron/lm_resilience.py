@@ -83,7 +83,6 @@ from mover_plugin.megatron.templates.megatron_lm import (
 )
 from mover_plugin.megatron.resilience import MegatronResilience
 from mover_plugin.megatron.moe import clear_moe_metrics
-from mover_plugin.megatron.standby import parallel_layout
 from mover_plugin.runtime.adapter import Transfer
 from mover_plugin.runtime.handover import module_state_tensors
 from mover_plugin.runtime.replay import ReplayableIterator
@@ -208,11 +207,12 @@ class MegatronLMResilience(MegatronResilience):
             "expert_tensor_parallel_size": args.expert_tensor_parallel_size,
             "create_gloo_process_groups": False,
         }
+        self._experts_in_shard = bool(args.use_distributed_optimizer)
         if runtime.is_standby:
             self._warm_up_in_sandbox()
             runtime.wait_for_promotion()
         args.rank = runtime.rank
-        runtime.init_distributed(parallel_layout(runtime.world_size, self._parallel_kwargs))
+        runtime.init_distributed(self.job_layout())
         if self.is_joiner:
             self._local = _local_collectives()
 

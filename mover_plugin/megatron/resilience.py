@@ -70,6 +70,7 @@ import torch.distributed as dist
 from mover_plugin.comm.world import cover_world
 from mover_plugin.contract import GenerationPlan
 from mover_plugin.errors import LaunchError
+from mover_plugin.layout import ParallelLayout
 from mover_plugin.megatron.checkpoint import capture_rng_state, restore_rng_state
 from mover_plugin.megatron.ddp_syncs import drop_syncs_in_flight
 from mover_plugin.megatron.distributed_optimizer import (
@@ -123,6 +124,9 @@ class MegatronResilience:
         :meth:`first_iteration`)."""
         self.args = args
         self._parallel_kwargs: dict[str, Any] = {}
+        self._experts_in_shard = False
+        """Whether experts that no other rank holds travel in this rank's optimizer shard
+        (:class:`~mover_plugin.layout.ParallelLayout`)."""
         self._model: Any = None
         self._optimizer: Any = None
         self._scheduler: Any = None
@@ -181,7 +185,12 @@ class MegatronResilience:
         """``init_process_group`` and Megatron's ``initialize_model_parallel`` for this
         generation, with abortable groups."""
         self._parallel_kwargs = dict(parallel_kwargs)
-        self.runtime.init_distributed(parallel_layout(self.runtime.world_size, parallel_kwargs))
+        self.runtime.init_distributed(self.job_layout())
+
+    def job_layout(self) -> ParallelLayout:
+        """The job's parallel layout (from ``initialize_model_parallel``'s arguments)."""
+        return parallel_layout(self.runtime.world_size, self._parallel_kwargs,
+                               experts_in_shard=self._experts_in_shard)
 
     def build_model(self, build: Callable[[], TrainingObjects]) -> TrainingObjects:
         """This rank's (model, optimizer, scheduler), from ``build()`` after
@@ -206,7 +215,7 @@ class MegatronResilience:
         if warmed is None:
             return None
         objects = warmed.adopt(self.runtime.rank,
-                               parallel_layout(self.runtime.world_size, self._parallel_kwargs))
+                               self.job_layout())
         self._adopted = objects is not None
         return objects
 
@@ -408,8 +417,7 @@ class MegatronResilience:
         data-parallel group, and with experts only the ranks of it that hold its experts too):
         the holder of a rank's copy also holds the parameters its joiner needs."""
         rank = self.runtime.rank
-        layout = parallel_layout(self.runtime.world_size, self._parallel_kwargs)
-        ranks = sorted([rank, *layout.data_parallel_twins(rank)])
+        ranks = sorted([rank, *self.job_layout().data_parallel_twins(rank)])
         index = ranks.index(rank)
         return ranks[(index + 1) % len(ranks)], ranks[(index - 1) % len(ranks)]
 

@@ -94,12 +94,14 @@ class PipelineRole:
     stage: int
 
 
-def parallel_layout(world_size: int, parallel: dict[str, Any]) -> ParallelLayout:
+def parallel_layout(world_size: int, parallel: dict[str, Any], *,
+                    experts_in_shard: bool = False) -> ParallelLayout:
     """The layout given by ``initialize_model_parallel``'s keyword arguments."""
     return ParallelLayout.for_world(world_size, parallel.get("tensor_model_parallel_size", 1),
                                     parallel.get("pipeline_model_parallel_size", 1),
                                     ep=parallel.get("expert_model_parallel_size", 1),
-                                    etp=parallel.get("expert_tensor_parallel_size"))
+                                    etp=parallel.get("expert_tensor_parallel_size"),
+                                    experts_in_shard=experts_in_shard)
 
 
 def pipeline_roles(layout: ParallelLayout) -> list[PipelineRole]:

@@ -27,9 +27,10 @@ pretrain_gpt.py ...``, which is how a failure-free ``torchrun`` run is compared 
 ``mover-launch`` run.
 
 Mixture-of-experts layers (``--num-experts``, ``--expert-model-parallel-size``) are resilient
-when every rank's experts have a twin (an expert-data-parallel size of at least 2). Not yet on
-this path with ``--resilient``: experts without a twin, context parallelism and Megatron-LM's
-own in-process restart are refused before the job starts.
+when every rank's experts have a twin (an expert-data-parallel size of at least 2) or travel in
+the distributed optimizer's shard. Not yet on this path with ``--resilient``: experts with
+neither, context parallelism and Megatron-LM's own in-process restart are refused before the
+job starts.
 """
 
 from __future__ import annotations
@@ -368,12 +369,13 @@ def check_arguments(args: argparse.Namespace) -> None:
             f" x context {args.context_parallel_size}); use at least 2 data-parallel replicas")
     if not lm_layout(args).data_parallel_twins(0):
         raise ConfigError(
-            f"--resilient needs a twin for every rank's experts, but the expert-data-parallel "
-            f"size is 1 (data-parallel size {args.data_parallel_size} x tensor "
+            f"--resilient needs a twin for every rank's experts or the distributed optimizer "
+            f"(whose shard then carries them), but the expert-data-parallel size is 1 "
+            f"(data-parallel size {args.data_parallel_size} x tensor "
             f"{args.tensor_model_parallel_size} / expert-model-parallel size "
             f"{args.expert_model_parallel_size} x expert-tensor-parallel size "
-            f"{args.expert_tensor_parallel_size}); use at least twice as many ranks per "
-            f"pipeline stage as the experts are split over")
+            f"{args.expert_tensor_parallel_size}); add --use-distributed-optimizer, or use at "
+            f"least twice as many ranks per pipeline stage as the experts are split over")
     refused = {
         "--inprocess-restart": getattr(args, "inprocess_restart", False),
         "--context-parallel-size > 1": args.context_parallel_size > 1,
@@ -390,7 +392,8 @@ def lm_layout(args: argparse.Namespace) -> ParallelLayout:
     """The parallel layout of Megatron-LM's validated ``args``."""
     return ParallelLayout.for_world(
         args.world_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-        ep=args.expert_model_parallel_size, etp=args.expert_tensor_parallel_size)
+        ep=args.expert_model_parallel_size, etp=args.expert_tensor_parallel_size,
+        experts_in_shard=bool(args.use_distributed_optimizer))
 
 
 def report_digest(args: argparse.Namespace, model: list[Any]) -> None:

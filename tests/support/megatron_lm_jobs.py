@@ -81,14 +81,16 @@ MIXTRAL_RECIPE = ["--pipeline-model-parallel-size", "2", "--expert-model-paralle
                   "--lr-warmup-iters", "1", "--lr-decay-iters", "6", "--weight-decay", "0.1",
                   "--clip-grad", "1.0", "--bf16"]
 """Megatron-LM's Mixtral 8x7B recipe (``examples/mixtral/train_mixtral_8x7b_distributed.sh``
-at core_v0.19.0) scaled down to TP1 x PP2 x DP4 (8 processes) with 4 experts over an
-expert-model-parallel size of 2, so that every rank's experts have a twin (an
-expert-data-parallel size of 2): its model flags (RMSNorm, SwiGLU, rotary embeddings, grouped
+at core_v0.19.0) scaled down to TP1 x PP2 x DP2 (4 processes) with 4 experts over an
+expert-model-parallel size of 2: as in the recipe's own layout (PP4 x EP8 on 32 GPUs), the
+experts are split over the whole data-parallel group, so no other rank holds a rank's experts
+(an expert-data-parallel size of 1) and they travel in the distributed optimizer's shard: its
+model flags (RMSNorm, SwiGLU, rotary embeddings, grouped
 queries, untied embeddings, no dropout), its MoE flags (top-2 routing with the load-balancing
 loss, the alltoall token dispatcher), its optimizer, schedule and precision flags (bf16, the
 distributed optimizer with both overlaps), and ``--sequence-parallel`` (which Megatron-LM turns
 off at TP1). Left out, GPU-only: ``--moe-grouped-gemm``; and its sizes, data, checkpoint and
-evaluation flags (PP4 x EP8 on its 32 GPUs would leave the experts without a twin)."""
+evaluation flags."""
 GPT_OSS_RECIPE = ["--expert-model-parallel-size", "2", "--num-experts", "4",
                   "--moe-router-topk", "2", "--moe-router-load-balancing-type", "aux_loss",
                   "--moe-aux-loss-coeff", "1e-3", "--moe-z-loss-coeff", "1e-3",

@@ -84,6 +84,16 @@ def test_experts_without_an_expert_data_parallel_replica_have_no_twin():
     assert layout.replica_sets() == [[0], [1], [2], [3]]
 
 
+def test_experts_carried_in_the_optimizer_shard_make_the_dense_replicas_twins():
+    # Mixtral's own layout in miniature: EP over the whole data-parallel group.
+    alone = ParallelLayout.for_world(4, tp=1, pp=2, ep=2, experts_in_shard=True)
+    assert [alone.data_parallel_twins(rank) for rank in range(4)] == [[1], [0], [3], [2]]
+    assert ParallelLayout.of_record(alone.record()) == alone
+    # Where experts have twins, only those are (the shard then holds a part of them).
+    shared = ParallelLayout.for_world(8, tp=1, pp=2, ep=2, experts_in_shard=True)
+    assert shared.data_parallel_twins(1) == [3]
+
+
 def test_experts_that_do_not_divide_a_stage_are_refused():
     with pytest.raises(ConfigError, match=r"expert-tensor-parallel size 1 x "
                        r"expert-model-parallel size 3 = 3 does not divide the 4 ranks of a "

@@ -79,9 +79,10 @@ def test_mover_launch_trains_megatron_lm_exactly_as_torchrun_does(layout, tmp_pa
     (["--resilient", "--tensor-model-parallel-size", "2"], ["--policy", "resilient"],
      "--resilient needs a data-parallel twin for every rank, but the data-parallel size is 1"),
     (["--resilient", "--num-experts", "4", "--expert-model-parallel-size", "2"],
-     ["--policy", "resilient"], "--resilient needs a twin for every rank's experts, but the "
-     "expert-data-parallel size is 1 (data-parallel size 2 x tensor 1 / expert-model-parallel "
-     "size 2 x expert-tensor-parallel size 1)"),
+     ["--policy", "resilient"], "--resilient needs a twin for every rank's experts or the "
+     "distributed optimizer (whose shard then carries them), but the expert-data-parallel size "
+     "is 1 (data-parallel size 2 x tensor 1 / expert-model-parallel size 2 x "
+     "expert-tensor-parallel size 1)"),
     (["--resilient", "--resilient-fault-tolerance", "4"], ["--policy", "resilient"],
      "--resilient-fault-tolerance 4 is too large: it needs 5 pipelines"),
     (["--resilient", "--resilient-template-profile", "/nonexistent/profile.json"],
@@ -262,7 +263,7 @@ def skipped_iterations(output: str) -> list[int]:
 ITERATION_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ (\|.*)")
 
 
-def launched_as_under_torchrun(tmp_path: Path, recipe: list[str], nproc: int = 8):
+def launched_as_under_torchrun(tmp_path: Path, recipe: list[str], nproc: int):
     """A recipe's failure-free run (log interval 1) under mover-launch and under torchrun:
     the same digest. Returns torchrun's run, the reference."""
     (tmp_path / "launched").mkdir()
@@ -295,7 +296,7 @@ def test_the_gpt3_recipe_in_fp16_survives_losses_in_skipped_updates_exactly(tmp_
     before any update was applied, then rank 2 (first stage) moved to a standby at step 5,
     skipped too. Each skipped iteration counts as completed with a null update; a redone one
     starts from the loss scaler's state at its start."""
-    reference = launched_as_under_torchrun(tmp_path, GPT3_RECIPE)
+    reference = launched_as_under_torchrun(tmp_path, GPT3_RECIPE, nproc=8)
     assert skipped_iterations(reference.stdout) == [1, 2, 5]
     result, summary, events = resilient_run(
         tmp_path, standbys=2, layout=GPT3_RECIPE, nproc=8, flags=["--log-interval", "1"],
@@ -307,24 +308,42 @@ def test_the_gpt3_recipe_in_fp16_survives_losses_in_skipped_updates_exactly(tmp_
 
 
 def test_the_mixtral_recipe_survives_losing_expert_parallel_ranks_exactly(tmp_path):
-    """Megatron-LM's Mixtral recipe scaled down (TP1 x PP2 x DP4, 4 experts over EP2, top-2
+    """Megatron-LM's Mixtral recipe scaled down (TP1 x PP2 x DP2, 4 experts over EP2, top-2
     routing with the load-balancing loss, the alltoall dispatcher, bf16, the distributed
-    optimizer with both overlaps): under mover-launch as under torchrun; with --resilient,
-    rank 1 (first stage, the second pair of experts) SIGKILLed inside iteration 3 and replaced
-    from the peer copy of its expert twin, rank 3, then rank 6 (last stage, the first pair)
-    moved to a standby at step 5: the failure-free digest, every logged loss and load-balancing
-    loss equal, no restart."""
-    reference = launched_as_under_torchrun(tmp_path, MIXTRAL_RECIPE)
-    assert "DP_REPLICAS identical" in reference.stdout
+    optimizer with both overlaps), where no other rank holds a rank's experts: under
+    mover-launch as under torchrun; with --resilient, rank 1 (first stage, the second pair of
+    experts) SIGKILLed inside iteration 3 and replaced from rank 0 (its dense parameters) and
+    the copy of its shard rank 0 holds (its experts with their optimizer state), then rank 2
+    (last stage, the first pair) moved to a standby at step 5: the failure-free digest, every
+    logged loss and load-balancing loss equal, no restart."""
+    reference = launched_as_under_torchrun(tmp_path, MIXTRAL_RECIPE, nproc=4)
     assert len(router_losses(reference.stdout)) == 6
     result, summary, events = resilient_run(
-        tmp_path, standbys=2, layout=MIXTRAL_RECIPE, nproc=8, flags=["--log-interval", "1"],
-        injections=["--inject-failure", "1:3", "--inject-migration", "6:5"])
+        tmp_path, standbys=2, layout=MIXTRAL_RECIPE, flags=["--log-interval", "1"],
+        injections=["--inject-failure", "1:3", "--inject-migration", "2:5"])
     assert digest(result) == digest(reference)
     assert lm_losses(result.stdout) == lm_losses(reference.stdout)
     assert router_losses(result.stdout) == router_losses(reference.stdout)
-    assert_recovered_in_place(summary, events, steps=6, crashed=1, migrated=6)
-    assert [e["twin"] for e in events if e["event"] == "promote" and e["rank"] == 1] == [3]
+    assert_recovered_in_place(summary, events, steps=6, crashed=1, migrated=2)
+    assert [e["twin"] for e in events if e["event"] == "promote" and e["rank"] == 1] == [0]
+
+
+def test_experts_no_other_rank_holds_come_from_the_shard_copy_in_fp32(tmp_path):
+    """The Mixtral set in fp32 and without --overlap-param-gather, where the experts'
+    parameters are the optimizer shard's own (views of the model's, not a main copy) and no
+    gather rewrites them: a joiner of rank 1 gets its dense parameters from rank 0 and its
+    experts from the copy rank 0 keeps of its shard, which then carries the parameters
+    themselves. Without them in the shard the run ends with other parameters."""
+    recipe = [flag for flag in MIXTRAL_RECIPE if flag not in ("--bf16", "--overlap-param-gather")]
+    (tmp_path / "reference").mkdir()
+    reference = torchrun(*recipe, "--log-interval", "1", cwd=tmp_path / "reference")
+    assert reference.returncode == 0, reference.output[-4000:]
+    result, summary, events = resilient_run(
+        tmp_path, standbys=2, layout=recipe, flags=["--log-interval", "1"],
+        injections=["--inject-failure", "1:3", "--inject-migration", "2:5"])
+    assert digest(result) == digest(reference)
+    assert router_losses(result.stdout) == router_losses(reference.stdout)
+    assert_recovered_in_place(summary, events, steps=6, crashed=1, migrated=2)
 
 
 def test_the_gpt_oss_recipe_survives_a_crash_and_a_migration_exactly(tmp_path):
