@@ -20,6 +20,11 @@ every iteration) runs these ways, ``--repeats`` times each, interleaved:
   the migration also run with a standby that does not warm up
   (``--resilient-standby-shadow-iterations 0``: it builds its model once promoted).
 
+With ``--recipe llama3`` the job is Megatron-LM's Llama 3 recipe scaled down instead
+(``mover_plugin.testing.megatron_lm.LLAMA3_RECIPE``: TP2 x DP2, bf16, the distributed optimizer
+with overlapped reductions and gathers, no dropout as in the recipe), with its own checkpoint
+format (``torch_dist``); the resilient crash continues from the shard's peer copy.
+
 Printed: each way's downtime (the interrupted run's wall time minus the median failure-free
 wall time of the same launcher and policy; for mover-launch also the run summary's own measure,
 detection included), the ratios of the restart's downtime to the crash's (goal >= 20x) and to
@@ -29,10 +34,12 @@ stop-and-restart), and whether every run ends with the same PARAMS_DIGEST.
 Usage::
 
     python bench/megatron_lm_vs_torchrun.py --repeats 2 --out runs/bench-megatron-lm
+    python bench/megatron_lm_vs_torchrun.py --recipe llama3 --repeats 1 --torchrun-restart
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import statistics
@@ -45,7 +52,7 @@ from common import add_out_argument, benchmark_parser, interleaved_in, joined, n
 from jobs import (EXAMPLES, JOB_TIMEOUT_S, mover_launch_command, params_digest, run_job,
                   summary_with_digest)
 
-from mover_plugin.testing.megatron_lm import CPU_FLAGS
+from mover_plugin.testing.megatron_lm import CPU_FLAGS, LLAMA3_RECIPE
 
 SCRIPT = str(EXAMPLES / "megatron_lm" / "pretrain_gpt.py")
 ITERATIONS = 12
@@ -61,6 +68,10 @@ FLAGS = ["--pipeline-model-parallel-size", "2", "--num-layers", "4", "--hidden-s
 """Without dropout, so that a restart resumed from Megatron-LM's checkpoint ends bit-exact too
 (Megatron-LM restores the checkpoint's RNG states before building its data loaders, whose
 iterators then draw from torch's generator: with dropout its resume differs slightly)."""
+RECIPES = {"tp1-pp2": FLAGS,
+           "llama3": [*FLAGS[2:], *LLAMA3_RECIPE, "--ckpt-format", "torch_dist"]}
+"""The job's flags by ``--recipe`` (later flags override earlier ones: the Llama 3 recipe drops
+the pipeline and takes its own checkpoint format)."""
 RANK, ITERATION = 3, 6
 """The interrupted rank, and the iteration it is interrupted at (1-based)."""
 MODES = ("torchrun-clean", "restart-clean", "restart-crash", "mover-clean", "mover-crash",
@@ -76,27 +87,29 @@ def checkpoint_flags(folder: Path) -> list[str]:
     return ["--save", str(folder / "ckpt"), "--load", str(folder / "ckpt")]
 
 
-def run_torchrun(folder: Path, crash: bool) -> dict:
+def run_torchrun(folder: Path, crash: bool, flags: list[str]) -> dict:
     """torchrun --max-restarts 1; with ``crash``, rank ``RANK`` is SIGKILLed once the
     checkpoint of iteration ``ITERATION - 1`` is written."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc-per-node", "4", "--max-restarts", "1", "-m", "mover_plugin.launch.run",
-               SCRIPT, *FLAGS, *checkpoint_flags(folder)]
+               SCRIPT, *flags, *checkpoint_flags(folder)]
     trigger = f"successfully saved checkpoint from iteration {ITERATION - 1:7d}"
     started = time.monotonic()
     env = {**_environment(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    process = subprocess.Popen(command, cwd=folder, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, env=env)
-    output, killed = [], not crash
-    assert process.stdout is not None
-    for line in process.stdout:
-        output.append(line)
-        if not killed and trigger in line:
-            os.kill(_rank_pid(process.pid, RANK), signal.SIGKILL)
-            killed = True
-    process.wait(timeout=JOB_TIMEOUT_S)
-    text = "".join(output)
-    (folder / "output.txt").write_text(text)
+    output = folder / "output.txt"
+    # The output goes to a file, not a pipe: a process the killed rank started (a checkpoint
+    # writer) outlives it with the output inherited, and a pipe would stay open for it.
+    with output.open("w") as sink:
+        process = subprocess.Popen(command, cwd=folder, stdout=sink, stderr=subprocess.STDOUT,
+                                   text=True, env=env)
+        killed = not crash
+        while process.poll() is None and time.monotonic() - started < JOB_TIMEOUT_S:
+            if not killed and trigger in output.read_text(errors="replace"):
+                os.kill(_rank_pid(process.pid, RANK), signal.SIGKILL)
+                killed = True
+            time.sleep(0.05)
+        process.wait(timeout=10)
+    text = output.read_text(errors="replace")
     if process.returncode != 0 or not killed:
         raise SystemExit(f"torchrun {'crash' if crash else 'clean'} run failed:\n{text[-3000:]}")
     return {"wall_time_s": time.monotonic() - started, "digest": params_digest(text)}
@@ -135,7 +148,8 @@ def _descendants(root: int) -> list[int]:
     return found
 
 
-def run_mover(folder: Path, policy: str, injection: list[str], warm: bool = True) -> dict:
+def run_mover(folder: Path, policy: str, injection: list[str], flags: list[str],
+              warm: bool = True) -> dict:
     """mover-launch with ``policy`` (resilient: one standby and ``--resilient``; without
     ``warm``, a standby that does not warm up)."""
     if policy == "resilient":
@@ -145,7 +159,7 @@ def run_mover(folder: Path, policy: str, injection: list[str], warm: bool = True
     else:
         options, resilient = ["--policy", "restart", "--max-restarts", "1"], []
     command = [*mover_launch_command(folder, 4, *options, "--stop-grace-s", "2", *injection),
-               SCRIPT, *FLAGS, *checkpoint_flags(folder), *resilient]
+               SCRIPT, *flags, *checkpoint_flags(folder), *resilient]
     started = time.monotonic()
     result = run_job(command, f"mover-launch --policy {policy} {injection} failed")
     summary = summary_with_digest(folder, result)
@@ -153,12 +167,12 @@ def run_mover(folder: Path, policy: str, injection: list[str], warm: bool = True
     return summary
 
 
-def run_mode(mode: str, folder: Path) -> dict:
+def run_mode(mode: str, folder: Path, flags: list[str]) -> dict:
     launcher, interruption = mode.split("-")
     if launcher == "torchrun":
-        return run_torchrun(folder, crash=interruption == "crash")
+        return run_torchrun(folder, crash=interruption == "crash", flags=flags)
     return run_mover(folder, "restart" if launcher == "restart" else "resilient",
-                     INJECTIONS[interruption], warm=launcher != "cold")
+                     INJECTIONS[interruption], flags, warm=launcher != "cold")
 
 
 def baseline_of(mode: str) -> str:
@@ -168,6 +182,12 @@ def baseline_of(mode: str) -> str:
 
 
 def report(runs: dict[str, list[dict]]) -> None:
+    fell_back = [f"{mode} run {index}" for mode, results in runs.items()
+                 for index, run in enumerate(results)
+                 if any(item["downtime_s"] is None for item in run.get("interruptions", []))]
+    if fell_back:
+        raise SystemExit(f"an interruption did not end as planned (no downtime measured) in "
+                         f"{', '.join(fell_back)}: see its run folder's events.jsonl")
     digests = {run["digest"] for results in runs.values() for run in results}
     print(f"\nPARAMS_DIGEST {'equal in every run' if len(digests) == 1 else 'DIFFERS'}: "
           f"{sorted(digests)}")
@@ -222,11 +242,16 @@ def main() -> None:
     parser.add_argument("--cold-standby", action="store_true",
                         help="Also run the resilient crash and migration with a standby that "
                         "does not warm up.")
+    parser.add_argument("--recipe", choices=sorted(RECIPES), default="tp1-pp2",
+                        help="The job: TP1 x PP2 x DP2 (default), or Megatron-LM's Llama 3 "
+                        "recipe scaled down to TP2 x DP2.")
     args = parser.parse_args()
+    os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"  # Megatron-LM's checks at TP > 1
     out = new_out_folder(args.out)
     modes = (*MODES, *(("torchrun-crash",) if args.torchrun_restart else ()),
              *(COLD_MODES if args.cold_standby else ()))
-    runs = interleaved_in(out, modes, args.repeats, run_mode,
+    runs = interleaved_in(out, modes, args.repeats,
+                          functools.partial(run_mode, flags=RECIPES[args.recipe]),
                           lambda result: f"{result['wall_time_s']:.2f} s")
     report(runs)
 

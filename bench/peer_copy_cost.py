@@ -16,6 +16,9 @@ step time: the copy's cost on the step's critical path, measured inside the step
 as a difference of two runs, which on a shared machine the scheduling noise can swamp. The copy lives in host memory only: on a GPU its buffers are
 pinned host memory, so it uses no GPU memory by construction (this machine has no GPU).
 
+With ``--recipe llama3`` the job is Megatron-LM's Llama 3 recipe scaled down (TP2 x DP2, bf16,
+both overlaps; :mod:`megatron_lm_vs_torchrun`).
+
 Usage::
 
     python bench/peer_copy_cost.py --repeats 3 --train-iters 30
@@ -23,19 +26,20 @@ Usage::
 
 from __future__ import annotations
 
+import os
 import statistics
 import tempfile
 from pathlib import Path
 
 from common import benchmark_parser, check_same_digest, interleaved_in, joined, percent_more
 from jobs import mover_launch_command, read_events, run_job, summary_with_digest
-from megatron_lm_vs_torchrun import FLAGS, SCRIPT
+from megatron_lm_vs_torchrun import RECIPES, SCRIPT
 
 MODES = ("peer-copy", "no-copy")
 
 
-def run_mode(folder: Path, mode: str, train_iters: int) -> dict:
-    script = [SCRIPT, *FLAGS, "--train-iters", str(train_iters), "--use-distributed-optimizer",
+def run_mode(folder: Path, mode: str, train_iters: int, flags: list[str]) -> dict:
+    script = [SCRIPT, *flags, "--train-iters", str(train_iters), "--use-distributed-optimizer",
               "--resilient"]
     if mode == "no-copy":
         script.append("--resilient-no-peer-copy")
@@ -52,10 +56,16 @@ def run_mode(folder: Path, mode: str, train_iters: int) -> dict:
 def main() -> None:
     parser = benchmark_parser(__doc__, repeats=3)
     parser.add_argument("--train-iters", type=int, default=30)
+    parser.add_argument("--recipe", choices=sorted(RECIPES), default="tp1-pp2",
+                        help="The job: TP1 x PP2 x DP2 (default), or Megatron-LM's Llama 3 "
+                        "recipe scaled down to TP2 x DP2.")
     args = parser.parse_args()
+    os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"  # Megatron-LM's checks at TP > 1
+    flags = RECIPES[args.recipe]
     with tempfile.TemporaryDirectory(prefix="peer-copy-") as parent:
         runs = interleaved_in(Path(parent), MODES, args.repeats,
-                              lambda mode, folder: run_mode(folder, mode, args.train_iters),
+                              lambda mode, folder: run_mode(folder, mode, args.train_iters,
+                                                            flags),
                               lambda s: f"step {s['median_step_time_s'] * 1000:.1f} ms")
     check_same_digest(runs, blank_line=True)
     steps = {mode: [run["median_step_time_s"] for run in runs[mode]] for mode in MODES}

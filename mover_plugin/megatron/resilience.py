@@ -374,7 +374,12 @@ class MegatronResilience:
         return [self._model, self._optimizer, self._scheduler], [parallel_state]
 
     def after_switch(self) -> None:
+        """The optimizer's agreed flags are forgotten, and so are the parameter gathers'
+        dispatch marks: a rank that gathered its parameters outside an iteration (Megatron-LM
+        forces the gather before it saves a checkpoint) would skip the gather at its next
+        forward pass, which a joiner makes, and the two would wait on different collectives."""
         forget_agreed_flags(self._optimizer)
+        self._drop_syncs_in_flight()
 
     def teardown(self) -> None:
         from megatron.core import parallel_state

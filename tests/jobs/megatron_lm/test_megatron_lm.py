@@ -23,7 +23,6 @@ from support.megatron_lm_jobs import (
     GPT3_RECIPE,
     GPT_OSS_RECIPE,
     INTERLEAVED_PP4,
-    LLAMA3_RECIPE,
     MIXTRAL_RECIPE,
     PP2,
     SCRIPT,
@@ -33,6 +32,7 @@ from support.megatron_lm_jobs import (
     torchrun,
 )
 from mover_plugin.testing import run_command
+from mover_plugin.testing.megatron_lm import LLAMA3_RECIPE
 
 def iterations_logged(output: str) -> int:
     return sum(1 for line in output.splitlines() if "| lm loss:" in line)
@@ -193,9 +193,13 @@ def test_the_llama3_recipe_continues_in_place_from_the_peer_copy(tmp_path,
     rank 1 SIGKILLed at step 3 (its shard, the fp32 main copy included, comes from the copy its
     data-parallel peer keeps; the joiner's first iteration gathers the parameters with the
     others'), then rank 2 moved to a standby at step 4 (it hands over its own shard). Neither
-    rolls back."""
+    rolls back. A checkpoint in the recipe's format after every iteration: Megatron-LM gathers
+    the parameters before it saves, so the ranks a migration keeps would skip the next
+    gather that their joiner makes unless the switch drops their dispatch marks."""
+    ckpt = str(tmp_path / "ckpt")
     result, summary, events = resilient_run(
-        tmp_path, standbys=2, layout=LLAMA3_RECIPE, flags=["--log-interval", "1"],
+        tmp_path, standbys=2, layout=LLAMA3_RECIPE,
+        flags=["--log-interval", "1", "--save", ckpt, "--save-interval", "1"],
         injections=["--inject-failure", "1:3", "--inject-migration", "2:4"])
     assert digest(result) == digest(failure_free_llama3)
     losses = lm_losses(result.stdout)
@@ -351,7 +355,8 @@ def test_the_gpt_oss_recipe_survives_a_crash_and_a_migration_exactly(tmp_path):
     softmax offsets, sliding windows, quick-GeGLU, the load-balancing and z losses): with
     --resilient, rank 3 SIGKILLed inside iteration 3 and replaced from rank 1's copy (the
     same experts), then rank 0 migrated at step 5: torchrun's digest, every logged loss and
-    router loss equal, no restart."""
+    router loss equal, no restart. Only rank 0's joiner takes over a model its standby built
+    in the warm-up: a MoE layer holds the experts of the rank it was built for."""
     (tmp_path / "reference").mkdir()
     reference = torchrun(*GPT_OSS_RECIPE, "--log-interval", "1", cwd=tmp_path / "reference")
     assert reference.returncode == 0, reference.output[-4000:]
@@ -365,6 +370,8 @@ def test_the_gpt_oss_recipe_survives_a_crash_and_a_migration_exactly(tmp_path):
         assert router_losses(result.stdout, name) == router_losses(reference.stdout, name)
     assert_recovered_in_place(summary, events, steps=6, crashed=3, migrated=0)
     assert [e["twin"] for e in events if e["event"] == "promote" and e["rank"] == 3] == [1]
+    # A standby warmed up as the first pair of experts' rank: rank 0 adopts, rank 3 builds.
+    assert adopted_by_rank(events) == {3: False, 0: True}
 
 
 NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0"]
