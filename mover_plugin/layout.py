@@ -11,9 +11,8 @@ and the expert indices: those are a rank's *twins*. Where no other rank holds a 
 (an expert-data-parallel size of 1) but they travel in the rank's optimizer shard (Megatron-Core's
 distributed optimizer: the shard of a group of one is all of it), the ranks that hold its dense
 parameters are its twins: its state comes from them and its shard's copy. This module answers
-layout questions
-(coordinates, group members, twins) for any world size in microseconds, so the controller and
-tests can reason about 16K-rank jobs without processes.
+layout questions (coordinates, group members, twins) for any world size in microseconds, so the
+controller and tests can reason about 16K-rank jobs without processes.
 """
 
 from __future__ import annotations
@@ -125,20 +124,21 @@ class ParallelLayout:
 
     def expert_data_parallel_group(self, rank: int) -> list[int]:
         """Ranks holding the same experts as ``rank`` (same stage and expert indices)."""
-        local, stage = rank % (self.tp * self.dp), self.coordinates(rank).pp
-        start = stage * self.tp * self.dp
-        return [start + other for other in range(self.tp * self.dp)
-                if other % self._expert_span == local % self._expert_span]
+        self._check_rank(rank)
+        per_stage = self.tp * self.dp
+        start, first = rank - rank % per_stage, rank % per_stage % self._expert_span
+        return list(range(start + first, start + per_stage, self._expert_span))
 
     def data_parallel_twins(self, rank: int) -> list[int]:
         """The peers a replacement of ``rank`` can copy from: the other ranks holding exactly
         its parameters, dense and expert; or, when no other rank holds its experts and they
         travel in its optimizer shard, the ranks holding its dense parameters."""
         dense = [r for r in self.data_parallel_group(rank) if r != rank]
-        experts = self.expert_data_parallel_group(rank)
-        if self.experts_in_shard and experts == [rank]:
+        experts_alone = self.tp * self.dp == self._expert_span  # expert-data-parallel size 1
+        if self.experts_in_shard and experts_alone:
             return dense
-        return [r for r in dense if r in experts]
+        span = self._expert_span
+        return [r for r in dense if r % span == rank % span]
 
     def pipeline_group(self, rank: int) -> list[int]:
         c = self.coordinates(rank)

@@ -84,6 +84,21 @@ def test_experts_without_an_expert_data_parallel_replica_have_no_twin():
     assert layout.replica_sets() == [[0], [1], [2], [3]]
 
 
+@pytest.mark.parametrize("world, tp, pp, ep, etp", [
+    (16, 2, 2, 2, None), (16, 2, 1, 4, 1), (32, 4, 2, 2, 2), (64, 2, 4, 4, 1), (16, 1, 1, 1, None)])
+def test_twins_are_the_ranks_with_the_same_stage_tensor_and_expert_indices(world, tp, pp, ep,
+                                                                           etp):
+    layout = ParallelLayout.for_world(world, tp=tp, pp=pp, ep=ep, etp=etp)
+    key = {rank: layout.coordinates(rank) for rank in range(world)}
+    for rank in range(world):
+        c = key[rank]
+        same = [other for other in range(world) if other != rank and
+                (key[other].pp, key[other].tp, key[other].ep, key[other].etp) ==
+                (c.pp, c.tp, c.ep, c.etp)]
+        assert layout.data_parallel_twins(rank) == same
+        assert rank in layout.expert_data_parallel_group(rank)
+
+
 def test_experts_carried_in_the_optimizer_shard_make_the_dense_replicas_twins():
     # Mixtral's own layout in miniature: EP over the whole data-parallel group.
     alone = ParallelLayout.for_world(4, tp=1, pp=2, ep=2, experts_in_shard=True)
