@@ -91,7 +91,12 @@ from mover_plugin.errors import LaunchError
 from mover_plugin.layout import ParallelLayout
 from mover_plugin.progress import ProgressReporter
 from mover_plugin.runtime.adapter import Continuation, Transfer
-from mover_plugin.runtime.peer_copy import PeerCopy, decide_continuation, shard_record
+from mover_plugin.runtime.peer_copy import (
+    PeerCopy,
+    decide_continuation,
+    ring_neighbours,
+    shard_record,
+)
 from mover_plugin.runtime.random_streams import LOADER_SEEDS, RandomStreams, empty_packed
 from mover_plugin.runtime.resilience import ResilienceRuntime
 
@@ -320,9 +325,8 @@ class DeepSpeedResilience:
 
     def _ring(self) -> tuple[int, int]:
         """The next and the previous global rank of this rank's data-parallel group."""
-        ranks = dist.get_process_group_ranks(data_parallel_group(self._engine))
-        index = ranks.index(self.runtime.rank)
-        return ranks[(index + 1) % len(ranks)], ranks[(index - 1) % len(ranks)]
+        return ring_neighbours(dist.get_process_group_ranks(data_parallel_group(self._engine)),
+                               self.runtime.rank)
 
     # -- after a crash (FrameworkAdapter) -------------------------------------------------
 

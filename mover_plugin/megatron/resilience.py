@@ -95,7 +95,12 @@ from mover_plugin.megatron.update_gate import UpdateGate
 from mover_plugin.progress import ProgressReporter
 from mover_plugin.runtime.adapter import Continuation, Transfer
 from mover_plugin.runtime.handover import module_state_tensors
-from mover_plugin.runtime.peer_copy import PeerCopy, decide_continuation, shard_record
+from mover_plugin.runtime.peer_copy import (
+    PeerCopy,
+    decide_continuation,
+    ring_neighbours,
+    shard_record,
+)
 from mover_plugin.runtime.resilience import ResilienceRuntime
 from mover_plugin.runtime.settings import ResilienceSettings
 
@@ -139,6 +144,8 @@ class MegatronResilience:
         self._sharded = False
         """Whether the optimizer is Megatron-Core's distributed optimizer."""
         self._peer_copy: Optional[PeerCopy] = None
+        self._copy_ring = (-1, -1)
+        """The next and the previous rank of the peer copy's ring (set with the copy)."""
         self._load: Callable[[], Optional[int]] = lambda: None
         """Loads the last checkpoint into the model and optimizer (for a rollback)."""
         self._reload = reload or self._reload_loaded
@@ -228,6 +235,11 @@ class MegatronResilience:
             create_state_up_front(optimizer)
         if self._sharded and not getattr(self.args, "resilient_no_peer_copy", False):
             self._peer_copy = PeerCopy(runtime.control.store, runtime.rank, runtime.timeout())
+            # The ring: this rank and its twins (with experts, only the data-parallel peers
+            # that hold its experts too), so that the holder of a rank's copy also holds the
+            # parameters its joiner needs.
+            twins = self.job_layout().data_parallel_twins(runtime.rank)
+            self._copy_ring = ring_neighbours(sorted([runtime.rank, *twins]), runtime.rank)
         self._gate = UpdateGate(optimizer, scheduler, runtime, self._peer_copy,
                                 self.scheduler_increment)
         self.templates.publish_spec()
@@ -406,7 +418,7 @@ class MegatronResilience:
         copy = self._peer_copy
         if copy is not None:
             copy.refresh(shard_tensors(self._optimizer), iteration + 1, self.runtime.generation,
-                         self._ring())
+                         self._copy_ring)
             if not self.copy_between_steps:
                 copy.settle()
 
@@ -416,15 +428,6 @@ class MegatronResilience:
         next step, has a current copy on its peer."""
         if self._peer_copy is not None:
             self._peer_copy.settle()
-
-    def _ring(self) -> tuple[int, int]:
-        """The next and the previous global rank among this rank and its twins (its
-        data-parallel group, and with experts only the ranks of it that hold its experts too):
-        the holder of a rank's copy also holds the parameters its joiner needs."""
-        rank = self.runtime.rank
-        ranks = sorted([rank, *self.job_layout().data_parallel_twins(rank)])
-        index = ranks.index(rank)
-        return ranks[(index + 1) % len(ranks)], ranks[(index - 1) % len(ranks)]
 
     def model_state_tensors(self) -> list[torch.Tensor]:
         """The model's parameters and buffers: a data-parallel twin holds the same."""

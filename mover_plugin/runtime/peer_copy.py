@@ -88,6 +88,13 @@ def decide_continuation(records: list[Optional[dict[str, Any]]], peer_copy: bool
     return target, None, {rank: holders[rank] for rank in lost}
 
 
+def ring_neighbours(ring: Sequence[int], rank: int) -> tuple[int, int]:
+    """The next and the previous rank of ``rank`` in ``ring`` (global ranks in ring order):
+    where ``rank`` sends its shard, and whose copy it keeps."""
+    index = ring.index(rank)
+    return ring[(index + 1) % len(ring)], ring[(index - 1) % len(ring)]
+
+
 def shard_dtype(shard: Sequence[torch.Tensor]) -> torch.dtype:
     """The one dtype of a shard's tensors (the copy packs them into one buffer)."""
     dtypes = {tensor.dtype for tensor in shard}

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.distributed import TCPStore
 
-from mover_plugin.runtime.peer_copy import PeerCopy, shard_dtype
+from mover_plugin.runtime.peer_copy import PeerCopy, ring_neighbours, shard_dtype
 
 TIMEOUT = timedelta(seconds=30)
 
@@ -142,3 +142,9 @@ def test_a_rank_without_a_data_parallel_peer_keeps_no_copy(stores):
 def test_a_shard_of_mixed_dtypes_is_refused_with_the_dtypes_named():
     with pytest.raises(TypeError, match=r"mixes dtypes \['torch.bfloat16', 'torch.float32'\]"):
         shard_dtype([torch.ones(2), torch.ones(2, dtype=torch.bfloat16)])
+
+
+def test_a_ring_sends_to_the_next_rank_and_keeps_the_previous_ones_copy():
+    assert ring_neighbours([1, 3, 5], 1) == (3, 5)
+    assert ring_neighbours([1, 3, 5], 5) == (1, 3)
+    assert ring_neighbours([0, 2], 2) == (0, 0)
