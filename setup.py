@@ -39,7 +39,8 @@ setup(
         "hf": ["transformers>=5.25,<6", "accelerate>=1.16,<2"],
         # mover report's timeline picture.
         "report": ["matplotlib>=3.8"],
-        "test": ["pytest>=8"],
+        # pyyaml: the tests read the Kubernetes manifests (examples/kubernetes/).
+        "test": ["pytest>=8", "pyyaml>=6"],
     },
     entry_points={
         "console_scripts": [

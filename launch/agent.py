@@ -1,8 +1,9 @@
 """The per-host agent: starts the workers of one host, watches them, obeys the controller.
 
-The agent reads the controller's commands (``start``, ``stop``, ``promote``, ``generation``,
+The agent receives the controller's commands (``start``, ``stop``, ``promote``, ``generation``,
 ``notice``, ``cancel_promotion``, ``discard_leaver``, ``drop``, ``refill``, ``fence``,
-``rejoin``, ``wind_down``, ``finish``, ``abort``) from the store and posts what it sees (``joined``,
+``rejoin``, ``wind_down``, ``finish``, ``abort``; a thread waits for each on the store,
+:mod:`mover_plugin.launch.inbox`) and posts what it sees (``joined``,
 ``started``, ``ready``, ``first_step``, ``worker_exit``, ``leaver_exit``, ``injected``,
 ``migration_due``, ``hung``, ``standby_ready``, ``standby_exit``, ``stopped``, ``node_done``,
 ``node_busy``; ``steps``: global rank 0's step ends, batched by
@@ -48,7 +49,6 @@ import torch.distributed as dist
 
 from mover_plugin.contract import (
     ALARM,
-    COMMANDS_MAILBOX,
     EVENTS_MAILBOX,
     NOTICE_FD_ENV,
     STANDBY_ID_ENV,
@@ -58,6 +58,7 @@ from mover_plugin.contract import (
 from mover_plugin.devices import VISIBLE_ENV, free_slot, visible_subset
 from mover_plugin.launch.agent_config import AgentConfig
 from mover_plugin.launch.faults import FaultDelivery
+from mover_plugin.launch.inbox import CommandInbox
 from mover_plugin.launch.job_secret import launch_secret
 from mover_plugin.launch.liveness import AgentBeat
 from mover_plugin.launch.local_process import Worker, process_environment
@@ -98,7 +99,7 @@ class Agent:
         self.config = config
         self._store = store
         self._store_relay = relay
-        self._commands = Mailbox(store, COMMANDS_MAILBOX)
+        self._inbox = CommandInbox(lambda timeout_s: relay.client(CONTROL_TARGET, timeout_s))
         self._events = Mailbox(store, EVENTS_MAILBOX)
         self._workers: list[Worker] = []
         self._selector = selectors.DefaultSelector()
@@ -117,15 +118,16 @@ class Agent:
         node = self.config.node
         beat = AgentBeat(lambda: self._store_relay.client(CONTROL_TARGET, CONTROLLER_TIMEOUT_S),
             node.node_rank, unreachable_after_s=CONTROLLER_TIMEOUT_S,
-            on_unreachable=self._controller_unreachable)
+            on_unreachable=self._controller_unreachable, period_s=self.config.beat_period_s)
         beat.start()
         # Commands from before this agent joined are not its own (a host that comes back
         # joins a running job).
-        self._commands.skip_to_end()
+        self._inbox.start()
+        self._selector.register(self._inbox.fileno, selectors.EVENT_READ, None)
         self._post("joined", host=node.host, nproc=node.nproc, pid=os.getpid())
         try:
             while True:
-                for command in self._commands.poll():
+                for command in self._inbox.take():
                     exit_code = self._obey(command)
                     if exit_code is not None:
                         return exit_code
@@ -381,10 +383,10 @@ class Agent:
     # -- watching -------------------------------------------------------------------------
 
     def _read_progress(self, timeout: float) -> None:
-        if not self._selector.get_map():
-            time.sleep(timeout)
-            return
+        """Reads what the processes wrote within ``timeout`` (less when a command arrives)."""
         for key, _ in self._selector.select(timeout):
+            if key.data is None:
+                continue  # the inbox's wake-up: its commands are taken at the next turn
             worker: Worker = key.data
             try:
                 data = os.read(worker.pipe, 65536)

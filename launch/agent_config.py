@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass
 
 from mover_plugin.launch.faults import FailureInjection, MigrationInjection
 from mover_plugin.launch.hosts import NodeSpec
+from mover_plugin.launch.liveness import BEAT_PERIOD_S
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,8 @@ class AgentConfig:
     """Send the controller each step's busy times of this host's ranks (slow-rank policy)."""
     gpus: int = 0
     """This host's GPUs, one per process (0: none; :mod:`mover_plugin.devices`)."""
+    beat_period_s: float = BEAT_PERIOD_S
+    """How often the agent beats (:func:`mover_plugin.launch.liveness.beat_period`)."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -47,4 +50,5 @@ class AgentConfig:
             migrations=tuple(MigrationInjection(**i) for i in raw["migrations"]),
             report_busy=raw["report_busy"],
             gpus=raw["gpus"],
+            beat_period_s=raw.get("beat_period_s", BEAT_PERIOD_S),
         )

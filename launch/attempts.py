@@ -69,8 +69,11 @@ class Attempts(Unit):
                                                              range(ctx.config.world_size)})
         ctx.attempt.store = ctx.host_attempt_store(attempt)
         del previous  # the old attempt's workers are gone; its store can close
+        # Each host runs its own ranks unless the command names others for it (a spare host
+        # taking a lost host's): thousands of hosts each read the command.
         ctx.command("start", attempt=attempt, generation=ctx.job.generation,
-                    ranks={str(node): ranks for node, ranks in placement.items()})
+                    ranks={str(node): ranks for node, ranks in placement.items()
+                           if ranks != list(ctx.config.nodes[node].ranks)})
         self._arm_when_provisioned()
         ctx.record("attempt_start", "job", attempt=attempt)
         logger.info("attempt %d: starting %d workers", attempt, ctx.config.world_size)
@@ -113,10 +116,10 @@ class Attempts(Unit):
         spec = config.nodes[node]
         return config.standbys_of(spec) - (len(placement.get(node, [])) if spec.spare else 0)
 
-    def drop_node(self, node: int) -> None:
-        """``node`` was lost with its agent: its standbys leave the pool (and its share of the
-        target), the waits for every host stop waiting for it (the job may have ended: see
-        :meth:`mover_plugin.launch.job_end.JobEnd.check`)."""
+    def drop_node(self, node: int, how: str = "its host was lost") -> None:
+        """``node`` was lost with its agent (or left the job, ``how``): its standbys leave the
+        pool (and its share of the target), the waits for every host stop waiting for it (the
+        job may have ended: see :meth:`mover_plugin.launch.job_end.JobEnd.check`)."""
         ctx = self._ctx
         attempt = ctx.attempt
         attempt.host_standbys.pop(node, None)
@@ -124,7 +127,7 @@ class Attempts(Unit):
         gone += [s for s, where in attempt.refilling.items() if where == node]
         for standby in gone:
             attempt.pool.remove(standby)
-            ctx.record("standby_lost", "pool", standby=standby, how="its host was lost",
+            ctx.record("standby_lost", "pool", standby=standby, how=how,
                        pool=len(attempt.pool), was_ready=standby not in attempt.refilling)
             for listener in self._on_lost:
                 listener(standby)

@@ -4,6 +4,10 @@
 first host runs the controller and starts an agent per local host; on other hosts
 (``--node-rank N``) it runs that host's agent; with ``--join ADDR:PORT`` it adds this host to a
 running job (:mod:`mover_plugin.launch.join`). See ``mover-launch --help``.
+
+SIGTERM ends it with status 143: on the first host the job ends (its agents abort); on another
+host that runs its agent itself, the controller is told first that the host leaves
+(:mod:`mover_plugin.launch.departure`).
 """
 
 from __future__ import annotations
@@ -22,8 +26,10 @@ from mover_plugin.launch.agent import AGENT_CONFIG_ENV, Agent
 from mover_plugin.launch.agent_config import AgentConfig
 from mover_plugin.launch.config import JoinConfig, LaunchConfig, parse_launch_args
 from mover_plugin.launch.controller import Controller
+from mover_plugin.launch.departure import EXIT_STATUS, leave_on_sigterm
 from mover_plugin.launch.job_secret import JOB_SECRET_ENV, launch_secret
 from mover_plugin.launch.jobs import registered_job
+from mover_plugin.launch.liveness import beat_period
 from mover_plugin.launch.join import run_joining_host
 from mover_plugin.launch.preflight import run_preflight
 from mover_plugin.launch.store_gate import (
@@ -31,6 +37,7 @@ from mover_plugin.launch.store_gate import (
     StoreGate,
     StoreRelay,
     host_loopback_store,
+    raise_open_file_limit,
 )
 from mover_plugin.launch.summary import RunSummary
 from mover_plugin.processes import start_process, stop_processes
@@ -40,7 +47,8 @@ logger = logging.getLogger("mover_plugin.launch")
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO, format="[mover-launch] %(message)s", stream=sys.stderr)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(EXIT_STATUS))
+    raise_open_file_limit()  # the stores' and relays' connections: thousands at scale
     try:
         config = parse_launch_args(sys.argv[1:] if argv is None else argv, sys.executable)
         if isinstance(config, JoinConfig):
@@ -91,9 +99,12 @@ def _open_gate(config: LaunchConfig, secret: bytes, routes: dict[int, int]) -> S
 
 
 def _listen_address(config: LaunchConfig) -> str:
-    """The address the gate listens on: the job's address. A host name that resolves to a
-    loopback address (``127.0.1.1`` in many ``/etc/hosts``) while other hosts must reach it
-    cannot be the listening address; the gate then listens on every interface."""
+    """The address the gate listens on: the one the launch names (every interface of a
+    Kubernetes pod), else the job's address. A host name that resolves to a loopback address
+    (``127.0.1.1`` in many ``/etc/hosts``) while other hosts must reach it cannot be the
+    listening address; the gate then listens on every interface."""
+    if config.listen_addr is not None:
+        return config.listen_addr
     try:
         address = socket.gethostbyname(config.master_addr)
     except OSError as error:
@@ -142,6 +153,7 @@ def _agent_config(config: LaunchConfig, node_rank: int, port: int) -> AgentConfi
         exit_timeout_s=config.exit_timeout_s,
         report_busy=config.report_busy,
         gpus=config.gpus_of(node),
+        beat_period_s=beat_period(config.agent_timeout_s),
     )
 
 
@@ -155,7 +167,9 @@ def _run_agent_only(config: LaunchConfig, secret: bytes) -> int:
         raise LaunchError(
             f"no controller at {config.master_addr}:{config.master_port} ({error})"
         ) from None
-    return Agent(_agent_config(config, node_rank, config.master_port), store, relay).run()
+    agent = Agent(_agent_config(config, node_rank, config.master_port), store, relay)
+    leave_on_sigterm(store, config.nodes[node_rank])
+    return agent.run()
 
 
 def _report(summary: RunSummary, config: LaunchConfig) -> None:

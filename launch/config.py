@@ -5,8 +5,10 @@ names the bad value and what would be valid. The flag names are torchrun's
 (``--nproc-per-node``, ``--nnodes``, ``--node-rank``, ``--master-addr``, ``--master-port``,
 ``--max-restarts``, ``--standalone``; the underscore spellings work too) so that replacing
 ``torchrun`` by ``mover-launch`` in a command line just works; the ``deepspeed`` launcher's own
-flags keep its meanings (:mod:`mover_plugin.launch.deepspeed_line`). Under ``srun``, without host
-flags, the hosts come from Slurm's variables (:mod:`mover_plugin.launch.slurm`).
+flags keep its meanings (:mod:`mover_plugin.launch.deepspeed_line`). Without host flags, the
+hosts come from a scheduler's environment: Slurm's variables under ``srun``
+(:mod:`mover_plugin.launch.slurm`), a JobSet pod's in Kubernetes
+(:mod:`mover_plugin.launch.kubernetes`).
 """
 
 from __future__ import annotations
@@ -45,11 +47,11 @@ from mover_plugin.launch.hosts import (
     DEFAULT_MASTER_ADDR,
     DEFAULT_MASTER_PORT,
     NodeSpec,
+    environment_allocation,
     local_gpus,
     local_nodes,
     nodes_of,
     nodes_of_allocation,
-    slurm_allocation,
     store_port,
 )
 from mover_plugin.launch.liveness import BEAT_PERIOD_S
@@ -76,6 +78,9 @@ class LaunchConfig:
     """Port of the control-plane store; 0 lets the OS choose (single-machine jobs only)."""
     command: tuple[str, ...]
     """The user's command: the interpreter, ``-u``, the script (or ``-m module``) and its args."""
+    listen_addr: Optional[str] = None
+    """Where the first host's port listens: None for the job's address (``master_addr``), or
+    every interface in a Kubernetes pod (:mod:`mover_plugin.launch.kubernetes`)."""
     policy: str = "restart"
     max_restarts: int = 3
     injections: tuple[FailureInjection, ...] = ()
@@ -208,10 +213,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="This host's index among the hosts (default 0).")
     add("--master-addr", "--master_addr", dest="master_addr", default=None,
         help="Address of the first host, where the controller runs (default 127.0.0.1; under "
-        "srun, the first host of the Slurm job step).")
+        "srun, the first host of the Slurm job step; in a JobSet pod, MOVER_MASTER_ADDR).")
     add("--master-port", "--master_port", dest="master_port", type=port_number, default=None,
         help=f"Port of the controller's store (default {DEFAULT_MASTER_PORT}; under srun, one "
-        "derived from the Slurm job id; 0: any free port, single-machine jobs only).")
+        "derived from the Slurm job id; in a JobSet pod, MOVER_MASTER_PORT; 0: any free port, "
+        "single-machine jobs only).")
     add("--standalone", action="store_true",
         help="Single-machine job on a free port (like torchrun --standalone).")
     add("--hostfile", default=None,
@@ -238,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--spare-hosts", dest="spare_hosts", type=non_negative_int, default=0, metavar="K",
         help="The last K hosts of the job are spare hosts: each runs one standby per slot and "
         "no worker, and recovery and migration take their standbys first (resilient policy; "
-        "a hostfile line ending with 'spare' marks one too).")
+        "a hostfile line ending with 'spare' marks one too; in a JobSet pod, MOVER_SPARES).")
     add("--event-log", dest="event_log", default=None, metavar="PATH",
         help="Append the controller's events to PATH as JSON lines.")
     add("--max-restarts", "--max_restarts", dest="max_restarts", type=non_negative_int,
@@ -303,8 +309,9 @@ def parse_launch_args(argv: Sequence[str], python: str,
                       ) -> Union[LaunchConfig, JoinConfig]:
     """Parses and checks ``mover-launch`` flags; raises :class:`ConfigError` on bad input.
     With ``--join``, the settings of a host that joins a running job (:class:`JoinConfig`).
-    Without host flags, the hosts come from Slurm's variables in ``environ`` (by default this
-    process's environment) when it runs in a Slurm job step (:mod:`mover_plugin.launch.slurm`)."""
+    Without host flags, the hosts come from ``environ`` (by default this process's environment)
+    when it runs in a Slurm job step (:mod:`mover_plugin.launch.slurm`) or a Kubernetes JobSet
+    pod (:mod:`mover_plugin.launch.kubernetes`)."""
     parser = build_parser()
     args = parser.parse_args(list(argv))
     refuse_unsupported(args)
@@ -319,18 +326,8 @@ def parse_launch_args(argv: Sequence[str], python: str,
                           "[script flags] (or --join ADDR:PORT to add this host to a running "
                           "job)")
     _apply_deepspeed_block(args)
-    slurm = slurm_allocation(args, environ)
-    if slurm is not None:
-        nodes = nodes_of_allocation(args, slurm)
-        local, runs_controller = (slurm.node_rank,), slurm.node_rank == 0
-        master_addr = slurm.hosts[0]
-        master_port = slurm.port if args.master_port is None else args.master_port
-    else:
-        nodes = nodes_of(args, lambda: gpus_on_host(args.gpus_per_node, environ,
-                                                    driver_gpu_count).count)
-        local, runs_controller = local_nodes(args, nodes)
-        master_addr = args.master_addr or DEFAULT_MASTER_ADDR
-        master_port = store_port(args, nodes, local)
+    where = _job_hosts(args, environ)
+    nodes, local = where.nodes, where.local
     world_size = sum(node.nproc for node in nodes)
     standbys = _standbys(args)
     gpus = local_gpus(args, environ, [nodes[n] for n in local], standbys)
@@ -356,9 +353,10 @@ def parse_launch_args(argv: Sequence[str], python: str,
     return LaunchConfig(
         nodes=nodes,
         local_node_ranks=local,
-        runs_controller=runs_controller,
-        master_addr=master_addr,
-        master_port=master_port,
+        runs_controller=where.runs_controller,
+        master_addr=where.master_addr,
+        master_port=where.master_port,
+        listen_addr=where.listen_addr,
         command=(python, "-u", *target, *args.script_args),
         policy=args.policy,
         max_restarts=args.max_restarts,
@@ -381,6 +379,35 @@ def parse_launch_args(argv: Sequence[str], python: str,
         local_rank_arg=(uses_deepspeed_launcher(argv, args.script_args)
                         and not args.no_local_rank),
     )
+
+
+@dataclass(frozen=True)
+class _JobHosts:
+    """Where the job's hosts are, as :func:`_job_hosts` found them."""
+
+    nodes: tuple[NodeSpec, ...]
+    local: tuple[int, ...]
+    runs_controller: bool
+    master_addr: str
+    master_port: int
+    listen_addr: Optional[str] = None
+
+
+def _job_hosts(args: argparse.Namespace, environ: Mapping[str, str]) -> _JobHosts:
+    """The hosts from the flags, or without host flags from a scheduler's environment (Slurm,
+    a Kubernetes JobSet pod; :func:`mover_plugin.launch.hosts.environment_allocation`)."""
+    allocation = environment_allocation(args, environ)
+    if allocation is None:
+        nodes = nodes_of(args, lambda: gpus_on_host(args.gpus_per_node, environ,
+                                                    driver_gpu_count).count)
+        local, runs_controller = local_nodes(args, nodes)
+        return _JobHosts(nodes, local, runs_controller, args.master_addr or DEFAULT_MASTER_ADDR,
+                         store_port(args, nodes, local))
+    port = (args.master_port if args.master_port is not None else
+            allocation.port if allocation.port is not None else DEFAULT_MASTER_PORT)
+    return _JobHosts(nodes_of_allocation(args, allocation), (allocation.node_rank,),
+                     allocation.node_rank == 0, allocation.master_addr, port,
+                     allocation.listen_addr)
 
 
 def _check_slow_rank_policy(args: argparse.Namespace) -> None:

@@ -25,9 +25,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch.distributed as dist
 
@@ -80,9 +81,16 @@ class JobState:
     node_of_rank: dict[int, int]
     """The node (host) each global rank runs on now."""
     lost_nodes: set[int] = field(default_factory=set)
-    """Hosts lost with their agent (:mod:`mover_plugin.launch.host_loss`): out of the job."""
+    """Hosts lost with their agent, or that left the job on purpose
+    (:mod:`mover_plugin.launch.host_loss`): out of the job."""
+    left_nodes: set[int] = field(default_factory=set)
+    """Those of :attr:`lost_nodes` that left on purpose, holding no rank (a planned
+    departure)."""
     admitted_nodes: set[int] = field(default_factory=set)
     """Hosts admitted by a ``join_request`` whose agent has not joined yet."""
+    leaving_ranks: dict[int, int] = field(default_factory=dict)
+    """The ranks a planned migration in progress moves, each with the node it leaves, until
+    it is handed over (:mod:`mover_plugin.launch.migration`)."""
     generation: int = -1
     last_generation: int = -1
     """The highest generation number planned so far (a cancelled one is never reused)."""
@@ -172,6 +180,10 @@ class Context:
         self.summary = summary
         self.log = log
         self.commands = commands
+        self._held: Optional[list[dict[str, Any]]] = None
+        """The commands of a :meth:`one_turn`, not posted yet."""
+        self._replaced: list[GenerationState] = []
+        """The generation states replaced in this turn, freed at its end."""
         self.job = JobState(nodes={node.node_rank for node in config.nodes},
                             node_of_rank={r: n.node_rank for n in config.nodes for r in n.ranks})
         self.attempt = AttemptState()
@@ -183,8 +195,28 @@ class Context:
         self.log.write(event, phase, **fields)
 
     def command(self, op: str, **fields: Any) -> None:
-        """Sends the agents the command ``op`` (see :data:`mover_plugin.contract.COMMANDS`)."""
-        self.commands.post(make_command(op, **fields))
+        """Sends the agents the command ``op`` (see :data:`mover_plugin.contract.COMMANDS`);
+        within :meth:`one_turn`, at its end."""
+        command = make_command(op, **fields)
+        if self._held is not None:
+            self._held.append(command)
+        else:
+            self.commands.post(command)
+
+    @contextmanager
+    def one_turn(self) -> Iterator[None]:
+        """One turn of the controller's loop. The commands sent within it are posted together
+        at its end, in order: every agent waiting for its next command is woken once for all
+        of them (a recovery's alarm, promotions and generation reach thousands of hosts). What
+        the turn's decisions replaced (a generation's reports, one per rank) is freed after
+        them. Turns do not nest."""
+        self._held = []
+        try:
+            yield
+        finally:
+            held, self._held = self._held, None
+            self.commands.post_many(held)
+            self._replaced.clear()
 
     def notify(self, generation: int, kind: str, **fields: Any) -> None:
         """A notice to generation ``generation``'s processes (the agents relay it)."""
@@ -203,6 +235,7 @@ class Context:
         self.job.generation = generation
         self.job.last_generation = max(self.job.last_generation, generation)
         self.store.set(CURRENT_GENERATION_KEY, str(generation))
+        self._replaced.append(self.generation)  # freed once the turn's commands are out
         self.generation = GenerationState()
 
     def plan_generation(self, plan: GenerationPlan, *, link: bool = True) -> int:

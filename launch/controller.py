@@ -177,7 +177,12 @@ class Controller:
     def poll_once(self) -> Optional[int]:
         """One iteration of the serve loop: acts on the events posted since the last one (and
         on the operators' requests, every :data:`REQUEST_POLL_PERIOD_S`); returns the
-        launcher's exit code once the job has ended."""
+        launcher's exit code once the job has ended. The commands it sends are posted
+        together at its end (:meth:`~mover_plugin.launch.context.Context.one_turn`)."""
+        with self._ctx.one_turn():
+            return self._poll()
+
+    def _poll(self) -> Optional[int]:
         for event in self._events.poll():
             exit_code = self._handle(event)
             if exit_code is not None:

@@ -35,6 +35,14 @@ The event log has ``host_lost`` (node, host, how, its ranks, when its last beat 
 interruption's ``step`` is the one after the last step rank 0 reported; its last step before
 the failure, and its ``failed`` when later than the last beat, come from rank 0's step ends
 (:meth:`~mover_plugin.launch.timing.InterruptionTiming.on_steps`).
+
+A host also leaves on purpose: its ``mover-launch`` stopped with SIGTERM (a Kubernetes pod
+evicted after its ``preStop`` hook migrated its ranks away, a Slurm node stopped after its
+wrapper did) posts ``leaving`` first (:mod:`mover_plugin.launch.departure`). A host that holds
+no rank then leaves the job as a planned departure, ``host_left`` in the event log: it is out
+of the job as a lost host is (its standbys leave the pool, no wait counts it, it may come back
+as a spare host), but nothing is recovered and nothing restarts. A host that still holds ranks,
+or whose ranks are being migrated away and not all handed over yet, is lost at once.
 """
 
 from __future__ import annotations
@@ -56,8 +64,9 @@ logger = logging.getLogger(__name__)
 
 
 class HostLoss(Unit):
-    ANY_ATTEMPT = frozenset({"joined", "join_request"})
-    """An agent that comes back, or a host that asks to join, has not heard of any attempt."""
+    ANY_ATTEMPT = frozenset({"joined", "join_request", "leaving"})
+    """An agent that comes back, or a host that asks to join, has not heard of any attempt; a
+    host's departure is the host's, whatever the attempt."""
 
     def __init__(self, ctx: Context, recovery: CrashRecovery, attempts: Attempts,
                  job_end: JobEnd, steps: StepTimeline, agents: AgentWatch) -> None:
@@ -69,8 +78,59 @@ class HostLoss(Unit):
         self._agents = agents
 
     def handlers(self) -> Mapping[str, EventHandler]:
-        # A loss is told by the controller (its watch of the agents); a return is an event.
-        return {"joined": self._on_joined, "join_request": self._on_join_request}
+        # A loss is told by the controller (its watch of the agents); a return and a planned
+        # departure are events.
+        return {"joined": self._on_joined, "join_request": self._on_join_request,
+                "leaving": self._on_leaving}
+
+    def _on_leaving(self, event: Event) -> Optional[int]:
+        """A host's ``mover-launch`` got SIGTERM: a planned departure when the host holds no
+        rank (nor a rank still being handed over from it), else a host lost now."""
+        ctx, node = self._ctx, event["node"]
+        if node not in ctx.job.nodes:
+            return None
+        held = sorted(r for r, n in ctx.job.node_of_rank.items() if n == node)
+        moving = sorted(r for r, n in ctx.job.leaving_ranks.items() if n == node)
+        if held or moving:
+            how = f"{event['how']} while it held rank(s) {held or moving}"
+            exit_code = self.lost(node, how)
+            return exit_code if exit_code is not None else self._leavers_lost(node, moving, how)
+        return self._left(node, event["how"])
+
+    def _left(self, node: int, how: str) -> Optional[int]:
+        """Host ``node``, holding no rank, leaves the job on purpose; returns the launcher's
+        exit code when the job ends with it."""
+        ctx = self._ctx
+        host = ctx.config.nodes[node].host
+        ctx.job.nodes.discard(node)
+        ctx.job.lost_nodes.add(node)  # it may come back, as a lost host does
+        ctx.job.left_nodes.add(node)
+        self._agents.forget(node)
+        standbys = sorted(s for s, where in ctx.attempt.pool.hosts.items() if where == node)
+        ctx.record("host_left", "pool", node=node, host=host, how=how, standbys=standbys)
+        logger.info("host %s (node %d) left the job: %s; it held no rank", host, node, how)
+        self._attempts.drop_node(node, how="its host left the job")
+        exit_code = self._job_end.check()
+        return exit_code if exit_code is not None else self._recovery.restart_if_stopped()
+
+    def _leavers_lost(self, node: int, moving: list[int], how: str) -> Optional[int]:
+        """The processes that were handing ``moving`` over from ``node`` stopped with it: each
+        is a leaver lost (the migration is called off or abandoned, :mod:`migration`); a rank
+        that the migration's end put back on ``node`` is recovered as a lost worker. Once a
+        restart is under way, it places them all."""
+        ctx = self._ctx
+        for rank in moving:
+            if ctx.attempt.failed:
+                break
+            leaver = rank in ctx.job.leaving_ranks
+            if not leaver and ctx.job.node_of_rank.get(rank) != node:
+                continue  # recovered with another one already
+            event = {"rank": rank, "attempt": ctx.attempt.number, "time": time.time(),
+                     "how": how, "returncode": -15, "step_begun": self._steps.last_step + 1}
+            exit_code = self._recovery.on_failure(event, leaver=leaver)
+            if exit_code is not None:
+                return exit_code
+        return None
 
     def _on_join_request(self, event: Event) -> Optional[int]:
         """A host asks to join (``mover-launch --join``): it is admitted as a spare host, a
@@ -129,6 +189,7 @@ class HostLoss(Unit):
                            event["pid"], reason)
             return None
         ctx.job.lost_nodes.discard(node)
+        ctx.job.left_nodes.discard(node)
         ctx.job.admitted_nodes.discard(node)
         ctx.job.nodes.add(node)
         self._agents.watch(node)

@@ -1,14 +1,24 @@
 """The job's hosts, from the launcher's flags: a hostfile, ``--nnodes``/``--nproc-per-node``, or
-Slurm's variables; spare hosts; which hosts this command runs agents for; the store's port.
+a scheduler's environment (Slurm's variables, :mod:`~mover_plugin.launch.slurm`; a Kubernetes
+JobSet pod's, :mod:`~mover_plugin.launch.kubernetes`); spare hosts; which hosts this command
+runs agents for; the store's port.
 
 Every check raises :class:`~mover_plugin.errors.ConfigError` before any process starts.
+
+``python -m mover_plugin.launch.hosts`` prints, from the scheduler's environment, this host's
+node rank and name in the job, the controller's address and port and the first host's name
+(which runs the controller), one line: ``NODE_RANK HOST MASTER_ADDR MASTER_PORT FIRST_HOST``.
+That is what a script needs to run ``mover migrate --host`` for a host of the job
+(``examples/migrate_host.sh``).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from dataclasses import dataclass
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence, Union
 
 from mover_plugin.devices import (
     HostGpus,
@@ -20,10 +30,18 @@ from mover_plugin.devices import (
 from mover_plugin.errors import ConfigError
 from mover_plugin.launch.deepspeed_line import LOCAL_HOST, select_slots
 from mover_plugin.launch.hostfile import HostEntry, is_local_host, parse_hostfile
-from mover_plugin.launch.slurm import SlurmAllocation, allocation_from_env
+from mover_plugin.launch import kubernetes, slurm
+from mover_plugin.launch.kubernetes import KubernetesAllocation
+from mover_plugin.launch.slurm import SlurmAllocation
 
 DEFAULT_MASTER_PORT = 29500
 DEFAULT_MASTER_ADDR = "127.0.0.1"
+
+Allocation = Union[SlurmAllocation, KubernetesAllocation]
+"""The hosts a scheduler's environment gives: ``hosts``, this host's ``node_rank``, the
+controller's ``master_addr`` and ``port`` (None: the default), ``gpus_on_node``,
+``spare_hosts`` (None: ``--spare-hosts``), ``listen_addr`` (None: the job's address) and its
+``source``."""
 
 
 @dataclass(frozen=True)
@@ -140,28 +158,54 @@ def _selected_entries(args: argparse.Namespace,
 
 HOST_FLAGS = ("hostfile", "nnodes", "node_rank", "master_addr", "standalone", "num_nodes",
               "include", "exclude")
-"""The flags that say where the job's hosts are; without any, Slurm's variables may."""
+"""The flags that say where the job's hosts are; without any, a scheduler's environment may."""
 
 
-def slurm_allocation(args: argparse.Namespace,
-                     environ: Mapping[str, str]) -> Optional[SlurmAllocation]:
-    """Slurm's allocation, where no flag names the hosts and Slurm's variables are set."""
+def environment_allocation(args: argparse.Namespace,
+                           environ: Mapping[str, str]) -> Optional[Allocation]:
+    """The scheduler's allocation, where no flag names the hosts and a scheduler's variables
+    are set."""
     if any(getattr(args, name) not in (None, False) for name in HOST_FLAGS):
         return None
-    return allocation_from_env(environ)
+    return allocation_of(environ)
+
+
+def allocation_of(environ: Mapping[str, str]) -> Optional[Allocation]:
+    """The allocation this process runs in: a Slurm job step's or a JobSet pod's; None
+    outside both. Raises :class:`ConfigError` when the two are both present."""
+    if slurm.in_job_step(environ) and kubernetes.in_jobset_pod(environ):
+        raise ConfigError(
+            f"this process runs both in a Slurm job step (SLURM_JOB_ID "
+            f"{environ.get(slurm.JOB_ID)}) and in a Kubernetes JobSet pod (JOBSET_NAME "
+            f"{environ.get(kubernetes.JOBSET_NAME)}): the hosts would come from both; unset "
+            "one's variables or name the hosts with flags (--hostfile, or --nnodes, --node-rank "
+            "and --master-addr)")
+    return slurm.allocation_from_env(environ) or kubernetes.allocation_from_env(environ)
 
 
 def nodes_of_allocation(args: argparse.Namespace,
-                        slurm: SlurmAllocation) -> tuple[NodeSpec, ...]:
-    """The hosts of a Slurm allocation, each with ``--nproc-per-node`` slots or its GPUs."""
-    nproc = _nproc_per_node(args) or slurm.gpus_on_node or 1
-    return _from_entries(_with_spares([HostEntry(host, nproc) for host in slurm.hosts], args))
+                        allocation: Allocation) -> tuple[NodeSpec, ...]:
+    """The hosts of a scheduler's allocation, each with ``--nproc-per-node`` slots or its
+    GPUs, the last of them spare as the allocation or ``--spare-hosts`` says."""
+    nproc = _nproc_per_node(args) or allocation.gpus_on_node or 1
+    entries = [HostEntry(host, nproc) for host in allocation.hosts]
+    return _from_entries(_with_spares(entries, args, _spare_count(args, allocation)))
 
 
-def _with_spares(entries: Sequence[HostEntry], args: argparse.Namespace) -> list[HostEntry]:
-    """``entries`` with the last ``--spare-hosts`` of them marked spare; checks that some host
-    still runs workers and that spares come with the resilient policy."""
-    count = args.spare_hosts
+def _spare_count(args: argparse.Namespace, allocation: Allocation) -> int:
+    """``--spare-hosts``, or the allocation's spare hosts; the two must agree when both say."""
+    given = allocation.spare_hosts
+    if given is None or args.spare_hosts in (0, given):
+        return args.spare_hosts if given is None else given
+    raise ConfigError(f"--spare-hosts {args.spare_hosts} contradicts {allocation.source}, "
+                      f"which has {given} spare host(s): drop the flag or give {given}")
+
+
+def _with_spares(entries: Sequence[HostEntry], args: argparse.Namespace,
+                 count: Optional[int] = None) -> list[HostEntry]:
+    """``entries`` with the last ``count`` (by default ``--spare-hosts``) of them marked spare;
+    checks that some host still runs workers and that spares come with the resilient policy."""
+    count = args.spare_hosts if count is None else count
     if count >= len(entries) and count > 0:
         raise ConfigError(f"--spare-hosts {count}: the job has {len(entries)} host(s); at least "
                           "one must run workers")
@@ -219,3 +263,25 @@ def store_port(
             "give the port the other hosts should connect to"
         )
     return port
+
+
+def main(environ: Optional[Mapping[str, str]] = None) -> int:
+    """Prints ``NODE_RANK HOST MASTER_ADDR MASTER_PORT FIRST_HOST`` of this host in the
+    scheduler's allocation; exits 2 with one line saying why where there is none."""
+    environ = os.environ if environ is None else environ
+    try:
+        allocation = allocation_of(environ)
+        if allocation is None:
+            raise ConfigError("neither a Slurm job step nor a Kubernetes JobSet pod: no "
+                              "SLURM_JOB_ID with a host list, no JOBSET_NAME")
+    except ConfigError as error:
+        print(f"mover_plugin.launch.hosts: error: {error}", file=sys.stderr)
+        return 2
+    port = DEFAULT_MASTER_PORT if allocation.port is None else allocation.port
+    print(allocation.node_rank, allocation.hosts[allocation.node_rank], allocation.master_addr,
+          port, allocation.hosts[0])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

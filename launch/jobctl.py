@@ -241,9 +241,10 @@ def _print_status(status: dict[str, Any], *, as_json: bool) -> None:
     if status["refilling"]:
         print("standbys starting to refill the pool: " + ", ".join(
             f"{s} (node {n})" for s, n in status["refilling"].items()))
-    if status.get("lost_hosts"):
-        print("hosts lost: " + ", ".join(
-            f"node {n} ({host})" for n, host in status["lost_hosts"].items()))
+    for key, what in (("lost_hosts", "hosts lost"), ("left_hosts", "hosts left")):
+        if status.get(key):
+            print(f"{what}: " + ", ".join(
+                f"node {n} ({host})" for n, host in status[key].items()))
     for item in status["migrations"]:
         print(f"migration in progress: ranks {item['ranks']} ({item['state']})")
     for event in status["recent_events"]:

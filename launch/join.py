@@ -15,6 +15,9 @@ token of its own) and waits for the controller's answer, a command that carries 
 * ``join_refused``: the job takes no host (a restart policy job has no standbys to place
   there); ``mover-launch`` says why and exits 1.
 
+Stopped with SIGTERM, the joined host tells the controller that it leaves
+(:mod:`mover_plugin.launch.departure`).
+
 The job's script and settings thus stay the first host's: a joining host names only its slots
 (``--nproc-per-node``), its name (``--host``), its GPUs (``--gpus-per-node``, by default
 counted here) and how long to wait (``--join-timeout-s``). It needs the job's secret
@@ -35,6 +38,7 @@ from mover_plugin.errors import LaunchError
 from mover_plugin.launch.agent import Agent
 from mover_plugin.launch.agent_config import AgentConfig
 from mover_plugin.launch.config import JoinConfig
+from mover_plugin.launch.departure import leave_on_sigterm
 from mover_plugin.launch.hosts import NodeSpec
 from mover_plugin.launch.job_secret import operator_secret
 from mover_plugin.launch.jobs import secret_file
@@ -68,7 +72,9 @@ def run_joining_host(config: JoinConfig) -> int:
                         command=tuple(answer["command"]), stop_grace_s=answer["stop_grace_s"],
                         exit_timeout_s=answer["exit_timeout_s"], standbys=answer["standbys"],
                         report_busy=answer["report_busy"], gpus=config.gpus)
-    return Agent(agent, store, relay).run()
+    joined = Agent(agent, store, relay)
+    leave_on_sigterm(store, node)
+    return joined.run()
 
 
 def _ask_to_join(store: Any, config: JoinConfig) -> dict[str, Any]:

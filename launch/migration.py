@@ -126,6 +126,7 @@ class Migrations(Unit):
         ctx.job.interruption = interruption
         self._migration = Migration(request_id, plan, old, ctx.job.generation, interruption,
                                     before=before)
+        ctx.job.leaving_ranks = {item.rank: before[1][item.rank] for item in plan}
         ctx.promote(plan, migration=True)
         ctx.notify(old, "prepare", next=ctx.job.generation)
         for item in plan:
@@ -221,6 +222,7 @@ class Migrations(Unit):
         if migration is None or event["migration"] != migration.generation:
             return None  # a hand-over of a migration that was cancelled
         migration.handed_over.add(event["rank"])
+        self._ctx.job.leaving_ranks.pop(event["rank"], None)
         self._ctx.record("handed_over", "migrate", generation=event["generation"],
                          rank=event["rank"], when=event["time"],
                          handover_s=event.get("handover_s"), transfer_s=event.get("transfer_s"))
@@ -337,6 +339,7 @@ class Migrations(Unit):
         migration, self._migration = self._migration, None
         if migration is None:
             return
+        self._ctx.job.leaving_ranks = {}
         outcome: dict[str, Any] = {"ok": ok, "generation": self._ctx.job.generation}
         if ok:
             outcome["downtime_s"] = migration.interruption.downtime_s

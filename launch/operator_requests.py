@@ -83,7 +83,9 @@ class OperatorRequests(Unit):
             "standby_target": ctx.attempt.standby_target,
             "refilling": dict(ctx.attempt.refilling),
             "lost_hosts": {str(node): ctx.config.nodes[node].host
-                           for node in sorted(ctx.job.lost_nodes)},
+                           for node in sorted(ctx.job.lost_nodes - ctx.job.left_nodes)},
+            "left_hosts": {str(node): ctx.config.nodes[node].host
+                           for node in sorted(ctx.job.left_nodes)},
             "migrations": self._migrations.status(),
             "recent_events": ctx.log.recent(RECENT_EVENTS),
         }
@@ -101,8 +103,12 @@ class OperatorRequests(Unit):
                 raise Rejected(f"host {host!r} is not one host of this job; hosts: {hosts}"
                                if not nodes else f"host {host!r} runs several nodes of this "
                                "job; move its ranks with --rank")
-            return sorted(r for r, n in self._ctx.job.node_of_rank.items()
-                          if n == nodes[0].node_rank)
+            ranks = sorted(r for r, n in self._ctx.job.node_of_rank.items()
+                           if n == nodes[0].node_rank)
+            if not ranks:
+                raise Rejected(f"host {host!r} holds no rank now (its ranks moved away, or it "
+                               "is a spare host): nothing to move")
+            return ranks
         ranks = request.get("ranks") or []
         if not ranks:
             raise Rejected("name the ranks to move, or a host")

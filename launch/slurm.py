@@ -45,10 +45,20 @@ class SlurmAllocation:
     node_rank: int
     job_id: int
     gpus_on_node: Optional[int]
+    spare_hosts: Optional[int] = None
+    """Not in Slurm's variables: ``--spare-hosts`` marks the last hosts spare."""
+    listen_addr: Optional[str] = None
+    """The controller's port listens on the first host's address."""
+    source: str = "a Slurm job step (SLURM_JOB_ID is set)"
 
     @property
     def port(self) -> int:
         return port_of_job(self.job_id)
+
+    @property
+    def master_addr(self) -> str:
+        """The first host, which runs the controller."""
+        return self.hosts[0]
 
 
 def port_of_job(job_id: int) -> int:
@@ -56,13 +66,19 @@ def port_of_job(job_id: int) -> int:
     return PORT_BASE + job_id % PORT_SPAN
 
 
+def in_job_step(environ: Mapping[str, str]) -> bool:
+    """Whether this process runs in a Slurm job step: a job id, a host list and this node's
+    name or id are set."""
+    return (JOB_ID in environ and _first(environ, NODELISTS) is not None
+            and (NODE_ID in environ or NODE_NAME in environ))
+
+
 def allocation_from_env(environ: Mapping[str, str]) -> Optional[SlurmAllocation]:
     """The allocation this process runs in; None outside a Slurm job step (no job id, host list
     or node id). Raises :class:`ConfigError` when Slurm's variables contradict each other."""
-    nodelist = _first(environ, NODELISTS)
-    if JOB_ID not in environ or nodelist is None or (
-            NODE_ID not in environ and NODE_NAME not in environ):
+    if not in_job_step(environ):
         return None
+    nodelist = _first(environ, NODELISTS) or ""
     hosts = tuple(expand_hostlist(nodelist))
     count = _first(environ, NODE_COUNTS)
     if count is not None and _whole(count, "node count") != len(hosts):

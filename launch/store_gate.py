@@ -6,16 +6,20 @@ process-group rendezvous). So the stores the controller hosts listen on this hos
 only, and the one port the job opens to the network is a :class:`StoreGate`. A connection to
 the gate first answers a challenge (an HMAC-SHA256 of a fresh nonce under the job's secret,
 see :mod:`mover_plugin.launch.job_secret`) and names the store it wants; the gate then joins it
-to that store byte for byte. A wrong answer, a store that does not exist or a client that says
-nothing within :data:`HANDSHAKE_TIMEOUT_S` is refused and logged, and kept for the controller's
-event log (:meth:`StoreGate.take_refusals`); the job goes on untouched.
+to that store byte for byte. The gate runs in a process of its own
+(:mod:`mover_plugin.launch.gate_server`; :class:`StoreGate` is the controller's handle on it),
+where one thread copies the bytes of every connection it joined: thousands of hosts cost it
+sockets, not threads, and the controller's interpreter never waits for those copies. A wrong
+answer, a store that does not exist or a client that says nothing within
+:data:`HANDSHAKE_TIMEOUT_S` is refused and logged, and kept for the controller's event log
+(:meth:`StoreGate.take_refusals`); the job goes on untouched.
 
-Processes that speak to the stores (agents, workers, standbys, ``mover status``) use torch's
-own client, which cannot answer a challenge, so each host runs a :class:`StoreRelay`: it
-listens on the host's loopback, answers the challenge for every connection it accepts and
-then joins the two. Workers find their host's relay through ``MASTER_ADDR``/``MASTER_PORT``
-and never hold the secret. Trust is per host: a process on a job's host that can reach its
-loopback is as trusted as the agent.
+Processes that speak to the stores (agents, workers, standbys, ``mover status``) use torch's own
+client, which cannot answer a challenge, so each host runs a :class:`StoreRelay`: it listens on
+the host's loopback, answers the challenge for every connection it accepts and then joins the
+two (one thread of the process copies for all its relays). Workers find their host's relay
+through ``MASTER_ADDR``/``MASTER_PORT`` and never hold the secret. Trust is per host: a process
+on a job's host that can reach its loopback is as trusted as the agent.
 
 Protocol (all integers big-endian)::
 
@@ -30,34 +34,45 @@ are :func:`attempt_target`.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
+import json
 import logging
-import os
 import socket
-import struct
+import subprocess
+import sys
 import threading
 import time
 from datetime import timedelta
-from typing import Callable, Mapping, Optional
+from typing import Any, Mapping, Optional
 
 import torch.distributed as dist
 
 from mover_plugin.errors import LaunchError
+from mover_plugin.launch.gate_server import (
+    ACCEPTED,
+    BACKLOG,
+    HANDSHAKE_TIMEOUT_S,
+    LOOPBACK,
+    MAGIC,
+    NO_STORE,
+    NONCE_BYTES,
+    REFUSED,
+    RETRY_PERIOD_S,
+    TARGET,
+    accept_connection,
+    answer,
+    raise_open_file_limit,
+    receive_exactly,
+    relay_pump,
+)
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"MOVRGAT1"
-NONCE_BYTES = 16
-ACCEPTED, REFUSED, NO_STORE = b"\x01", b"\x00", b"\x02"
-HANDSHAKE_TIMEOUT_S = 10.0
-"""How long the gate waits for a client's answer, and a relay for the gate's verdict."""
+__all__ = ["CONTROL_TARGET", "LOOPBACK", "GateRefused", "StoreGate", "StoreRelay", "answer",
+           "attempt_target", "host_loopback_store", "raise_open_file_limit"]
+
 CONTROL_TARGET = 0
-RETRY_PERIOD_S = 0.2
-"""How often :meth:`StoreRelay.client` tries a gate that does not answer yet."""
-_TARGET = struct.Struct(">I")
-_MAC_BYTES = hashlib.sha256().digest_size
-LOOPBACK = "127.0.0.1"
+_STOP_S = 5.0
+"""How long closing the gate waits for its process to end."""
 
 
 class GateRefused(LaunchError):
@@ -69,15 +84,10 @@ def attempt_target(attempt: int) -> int:
     return attempt + 1
 
 
-def answer(secret: bytes, nonce: bytes, target: int) -> bytes:
-    """The client's answer to the gate's challenge ``nonce`` for ``target``."""
-    return hmac.new(secret, nonce + _TARGET.pack(target), hashlib.sha256).digest()
-
-
 def host_loopback_store() -> dist.TCPStore:
     """A store served on this host's loopback only (torch's own server listens on every
     interface unless it is handed a socket)."""
-    listener = socket.create_server((LOOPBACK, 0), backlog=512)
+    listener = socket.create_server((LOOPBACK, 0), backlog=BACKLOG)
     port = listener.getsockname()[1]
     try:
         store = dist.TCPStore(LOOPBACK, port, is_master=True, wait_for_workers=False,
@@ -90,100 +100,98 @@ def host_loopback_store() -> dist.TCPStore:
 
 
 class StoreGate:
-    """The job's one network port in front of the stores the controller hosts."""
+    """The job's one network port in front of the stores the controller hosts: a handle on
+    the gate's process (:mod:`mover_plugin.launch.gate_server`)."""
 
     def __init__(self, secret: bytes, addr: str, port: int,
                  routes: Optional[Mapping[int, int]] = None) -> None:
         """``routes``: the stores (target -> loopback port) routed before the port opens, so
-        no client can arrive before them (the controller's store)."""
-        self._secret = secret
+        no client can arrive before them (the controller's store). Raises :class:`OSError`
+        when the port cannot be opened."""
         self._refusals: list[tuple[str, str]] = []
-        self._routes: dict[int, int] = dict(routes or {})
-        self._lock = threading.Lock()
-        self._links: set[_Link] = set()
-        self._listener = socket.create_server((addr, port), backlog=512)
-        self.port: int = self._listener.getsockname()[1]
-        self._thread = threading.Thread(target=self._serve, name="mover-gate", daemon=True)
-        self._thread.start()
+        self._replies: list[dict[str, Any]] = []
+        self._lock = threading.Condition()
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "mover_plugin.launch.gate_server"], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, text=True, bufsize=1)
+        self._send(secret=secret.hex(), addr=addr, port=port,
+                   routes={str(t): p for t, p in (routes or {}).items()})
+        assert self._process.stdout is not None
+        opened = json.loads(self._process.stdout.readline() or '{"error": "the gate exited"}')
+        if "error" in opened:
+            self.close()
+            raise OSError(opened["error"])
+        self.port: int = opened["port"]
+        threading.Thread(target=self._read, name="mover-gate-replies", daemon=True).start()
+
+    @property
+    def pid(self) -> int:
+        """The gate's process."""
+        return self._process.pid
 
     def route(self, target: int, store_port: int) -> None:
-        """Connections for ``target`` go to the loopback store on ``store_port``."""
-        with self._lock:
-            self._routes[target] = store_port
+        """Connections for ``target`` go to the loopback store on ``store_port`` (from the
+        moment this returns)."""
+        self._send(route=[target, store_port])
+        self._reply("routed")
+
+    @property
+    def bytes_forwarded(self) -> int:
+        """Bytes passed between clients and stores so far, both ways."""
+        self._send(count=True)
+        return int(self._reply("bytes")["bytes"])
 
     def take_refusals(self) -> list[tuple[str, str]]:
-        """The connections refused since the last call: (the peer's address, why)."""
+        """The connections refused since the last call: (the peer's address, why). Raises
+        :class:`LaunchError` once the gate's process has exited (no host can reach the job)."""
+        if self._process.poll() is not None:
+            raise LaunchError(f"the job's port (the gate's process, pid {self._process.pid}) "
+                              f"exited with {self._process.returncode}")
         with self._lock:
             refusals, self._refusals = self._refusals, []
         return refusals
 
     def close(self) -> None:
-        try:
-            self._listener.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._listener.close()
-        with self._lock:
-            links = list(self._links)
-        for link in links:
-            link.close()
-
-    def _serve(self) -> None:
-        while True:
+        """Closes the port: the gate's process ends, and every connection through it."""
+        if self._process.stdin is not None:
             try:
-                client, peer = self._listener.accept()
+                self._process.stdin.close()
             except OSError:
-                return
-            threading.Thread(target=self._admit, args=(client, f"{peer[0]}:{peer[1]}"),
-                             name="mover-gate-admit", daemon=True).start()
-
-    def _admit(self, client: socket.socket, peer: str) -> None:
-        nonce = os.urandom(NONCE_BYTES)
+                pass
         try:
-            client.settimeout(HANDSHAKE_TIMEOUT_S)
-            client.sendall(MAGIC + nonce)
-            reply = _receive_exactly(client, _TARGET.size + _MAC_BYTES)
-        except OSError as error:
-            return self._refuse(client, peer, f"no answer to the challenge ({error})")
-        if reply is None:
-            return self._refuse(client, peer, "closed before answering the challenge")
-        (target,) = _TARGET.unpack(reply[:_TARGET.size])
-        if not hmac.compare_digest(reply[_TARGET.size:], answer(self._secret, nonce, target)):
-            return self._refuse(client, peer, "wrong job secret")
-        with self._lock:
-            store_port = self._routes.get(target)
-        if store_port is None:
-            return self._refuse(client, peer, f"no store {target}", NO_STORE)
-        try:
-            store = socket.create_connection((LOOPBACK, store_port), timeout=HANDSHAKE_TIMEOUT_S)
-            client.sendall(ACCEPTED)
-        except OSError as error:
-            client.close()
-            logger.warning("store %d is gone (%s); closed %s's connection", target, error, peer)
-            return None
-        self._join(client, store)
-        return None
+            self._process.wait(_STOP_S)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
 
-    def _refuse(self, client: socket.socket, peer: str, why: str,
-                verdict: bytes = REFUSED) -> None:
-        logger.warning("refused a connection to the job's store from %s: %s", peer, why)
+    def _send(self, **request: Any) -> None:
+        assert self._process.stdin is not None
         with self._lock:
-            self._refusals.append((peer, why))
-        try:
-            client.sendall(verdict)
-        except OSError:
-            pass
-        client.close()
+            self._process.stdin.write(json.dumps(request) + "\n")
+            self._process.stdin.flush()
 
-    def _join(self, client: socket.socket, store: socket.socket) -> None:
-        link = _Link(client, store, on_close=self._forget)
+    def _reply(self, kind: str) -> dict[str, Any]:
         with self._lock:
-            self._links.add(link)
-        link.run()
+            while True:
+                for reply in self._replies:
+                    if kind in reply:
+                        self._replies.remove(reply)
+                        return reply
+                if self._process.poll() is not None:
+                    raise LaunchError(f"the job's port (the gate's process) exited with "
+                                      f"{self._process.returncode}")
+                self._lock.wait(1.0)
 
-    def _forget(self, link: "_Link") -> None:
-        with self._lock:
-            self._links.discard(link)
+    def _read(self) -> None:
+        assert self._process.stdout is not None
+        for line in self._process.stdout:
+            message = json.loads(line)
+            with self._lock:
+                if "refused" in message:
+                    self._refusals.append((message["refused"][0], message["refused"][1]))
+                else:
+                    self._replies.append(message)
+                self._lock.notify_all()
 
 
 class StoreRelay:
@@ -202,7 +210,7 @@ class StoreRelay:
         with self._lock:
             listener = self._listeners.get(target)
             if listener is None:
-                listener = socket.create_server((LOOPBACK, 0), backlog=512)
+                listener = socket.create_server((LOOPBACK, 0), backlog=BACKLOG)
                 self._listeners[target] = listener
                 threading.Thread(target=self._serve, args=(listener, target),
                                  name=f"mover-relay-{target}", daemon=True).start()
@@ -229,12 +237,12 @@ class StoreRelay:
         gate = socket.create_connection(self._gate, timeout=self._connect_timeout_s)
         try:
             gate.settimeout(HANDSHAKE_TIMEOUT_S)
-            challenge = _receive_exactly(gate, len(MAGIC) + NONCE_BYTES)
+            challenge = receive_exactly(gate, len(MAGIC) + NONCE_BYTES)
             if challenge is None or not challenge.startswith(MAGIC):
                 raise OSError(f"{self._address} is not a mover-launch job's port")
             nonce = challenge[len(MAGIC):]
-            gate.sendall(_TARGET.pack(target) + answer(self._secret, nonce, target))
-            verdict = _receive_exactly(gate, 1)
+            gate.sendall(TARGET.pack(target) + answer(self._secret, nonce, target))
+            verdict = receive_exactly(gate, 1)
             if verdict != ACCEPTED:
                 raise GateRefused(_refusal(self._address, verdict, target))
             gate.settimeout(None)
@@ -259,10 +267,10 @@ class StoreRelay:
 
     def _serve(self, listener: socket.socket, target: int) -> None:
         while True:
-            try:
-                local, _ = listener.accept()
-            except OSError:
+            accepted = accept_connection(listener)
+            if accepted is None:
                 return
+            local, _ = accepted
             threading.Thread(target=self._relay, args=(local, target),
                              name="mover-relay-link", daemon=True).start()
 
@@ -274,47 +282,7 @@ class StoreRelay:
                            self._address, error)
             local.close()
             return
-        _Link(local, gate).run()
-
-
-class _Link:
-    """Two sockets joined byte for byte until either side closes."""
-
-    def __init__(self, a: socket.socket, b: socket.socket,
-                 on_close: Optional[Callable[["_Link"], None]] = None) -> None:
-        self._sockets = (a, b)
-        self._on_close = on_close
-        self._closed = threading.Event()
-        for sock in self._sockets:
-            sock.settimeout(None)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-    def run(self) -> None:
-        """Copies both ways; returns (on the calling thread) when the link is closed."""
-        a, b = self._sockets
-        threading.Thread(target=self._copy, args=(b, a), name="mover-link", daemon=True).start()
-        self._copy(a, b)
-
-    def close(self) -> None:
-        if self._closed.is_set():
-            return
-        self._closed.set()
-        for sock in self._sockets:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            sock.close()
-        if self._on_close is not None:
-            self._on_close(self)
-
-    def _copy(self, source: socket.socket, destination: socket.socket) -> None:
-        try:
-            while chunk := source.recv(1 << 16):
-                destination.sendall(chunk)
-        except OSError:
-            pass
-        self.close()
+        relay_pump().join(local, gate)
 
 
 def _refusal(address: str, verdict: Optional[bytes], target: int) -> str:
@@ -324,14 +292,3 @@ def _refusal(address: str, verdict: Optional[bytes], target: int) -> str:
     if verdict == NO_STORE:
         return f"the job at {address} has no store {target}"
     return f"the job at {address} closed the connection"
-
-
-def _receive_exactly(sock: socket.socket, count: int) -> Optional[bytes]:
-    """``count`` bytes from ``sock``; None if it closes first."""
-    data = bytearray()
-    while len(data) < count:
-        chunk = sock.recv(count - len(data))
-        if not chunk:
-            return None
-        data += chunk
-    return bytes(data)

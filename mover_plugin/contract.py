@@ -281,6 +281,8 @@ EVENTS: Mapping[str, EventSchema] = {
     "hung": EventSchema({"rank": OPTIONAL_INT, "silent_s": NUMBER}),
     "standby_ready": EventSchema({"standby": str}),
     "standby_exit": EventSchema({"standby": str, "returncode": int, "how": str}),
+    # posted by a mover-launch that runs its host's agent, when SIGTERM stops it
+    "leaving": EventSchema({"host": str, "how": str}),
     # posted by the mover-launch --join of a host that asks to join (it has no node yet)
     "join_request": EventSchema({"host": str, "slots": int, "pid": int, "token": str},
                                 from_agent=False),

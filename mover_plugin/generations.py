@@ -59,12 +59,25 @@ class StandbyPool:
              strict: bool = False) -> Optional[tuple[str, int]]:
         """Removes and returns a standby and its node, preferring one not on ``avoid_node``
         (``strict``: only such a one); None when there is none."""
-        others = self._preferred([s for s, node in self.hosts.items() if node != avoid_node])
-        candidates = others if strict else (others or list(self.hosts))
-        if not candidates:
+        chosen = self._first(avoid_node)
+        if chosen is None and not strict:
+            chosen = next(iter(self.hosts), None)
+        if chosen is None:
             return None
-        chosen = candidates[0]
         return chosen, self.hosts.pop(chosen)
+
+    def _first(self, avoid_node: Optional[int]) -> Optional[str]:
+        """The standby ready first on a spare host other than ``avoid_node``, else on any
+        other host; None when there is none (one pass, thousands of standbys at scale)."""
+        first = None
+        for standby, node in self.hosts.items():
+            if node == avoid_node:
+                continue
+            if node in self.spare_nodes:
+                return standby
+            if first is None:
+                first = standby
+        return first
 
     def take_on_one_host(self, count: int,
                          avoid_node: Optional[int] = None) -> Optional[list[tuple[str, int]]]:

@@ -3,8 +3,11 @@
 A mailbox is a counter key plus one key per message. Any number of writers post; each reader
 keeps its own cursor and reads every message once, in posting order. The controller posts
 commands to the ``commands`` mailbox (every agent reads all of them) and the agents and workers
-post events to the ``events`` mailbox (the controller reads them). Reads never block: ``poll``
-returns what has arrived.
+post events to the ``events`` mailbox (the controller reads them). ``poll`` never blocks: it
+returns what has arrived. ``next`` blocks until the next message arrives: the store answers
+the read when it is written, so a reader that waits costs the store one call per message and
+nothing while none comes (each agent waits for its commands so: one poll every few
+milliseconds from each of thousands of hosts would be the store's whole load).
 
 Posting takes a number, then writes the message under it. A writer killed between the two (a
 worker killed while it reports something) leaves a hole; a reader steps over a number that has
@@ -49,15 +52,40 @@ class Mailbox:
         self._store.set(f"{self._name}/{number}", json.dumps(message))
         return number
 
+    def post_many(self, messages: list[dict[str, Any]]) -> None:
+        """Appends ``messages`` in order with two store calls: a reader waiting for the first
+        is woken once for all of them (the controller's commands reach thousands of agents)."""
+        if not messages:
+            return
+        last = self._store.add(f"{self._name}/count", len(messages))
+        first = last - len(messages) + 1
+        self._store.multi_set([f"{self._name}/{number}" for number in range(first, last + 1)],
+                              [json.dumps(message) for message in messages])
+
     def skip_to_end(self) -> None:
         """The next poll returns only messages posted from now on."""
         self._next = self._store.add(f"{self._name}/count", 0) + 1
         self._missing_since = None
 
+    def next(self) -> dict[str, Any]:
+        """Blocks until the next message is written and returns it: the store answers the read
+        when the key is written (no polling), or raises ``DistStoreError`` after the store
+        client's timeout. For a mailbox with one writer, where no hole can hold it up."""
+        message = json.loads(self._store.get(f"{self._name}/{self._next}"))
+        self._next += 1
+        self._missing_since = None
+        return message
+
     def poll(self) -> list[dict[str, Any]]:
         """Returns the messages posted since the last poll, in order."""
         messages = []
         posted = self._store.add(f"{self._name}/count", 0)
+        if self._next > posted:
+            return messages
+        keys = [f"{self._name}/{number}" for number in range(self._next, posted + 1)]
+        if self._store.check(keys):  # all written: read in one round trip
+            self._next, self._missing_since = posted + 1, None
+            return [json.loads(value) for value in self._store.multi_get(keys)]
         while self._next <= posted:
             key = f"{self._name}/{self._next}"
             if self._store.check([key]):

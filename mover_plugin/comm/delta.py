@@ -258,22 +258,48 @@ def _register_in_place(world: Any, name: str, old: Any, new: MoverProcessGroup) 
 def agree_on_idle_groups(store: Store, kept_candidates: Mapping[str, tuple[Any, GroupInfo]],
                          *, timeout: timedelta, drain_s: float = 0.1) -> list[str]:
     """After an alarm: which of these groups (none holds a lost rank) are *not* idle on every
-    member. Each member waits up to ``drain_s`` for operations still completing, posts whether
-    the group is idle on its side under ``store``, and reads its fellow members' answers (one
-    ``multi_get`` per group). Every member of a group reaches the same answer. The wait for a
-    fellow member's answer ends with the cancel check (:mod:`mover_plugin.comm.cancel`)."""
+    member. Each member waits up to ``drain_s`` for operations still completing, counts whether
+    the group is idle on its side under ``store`` and reads the group's verdict, which the last
+    member to answer writes: every member of a group reaches the same answer. The wait for the
+    verdict ends with the cancel check (:mod:`mover_plugin.comm.cancel`)."""
     deadline = time.monotonic() + drain_s
     groups = {name: group for name, (group, _) in kept_candidates.items()}
     while time.monotonic() < deadline and not all(_is_idle(g) for g in groups.values()):
         time.sleep(0.005)
-    rank = dist.get_rank()
-    for name, group in groups.items():
-        store.set(f"idle/{name}/{rank}", "1" if _is_idle(group) else "0")
+    return agree_on_idle(store, {name: (_is_idle(group), kept_candidates[name][1].global_ranks)
+                                 for name, group in groups.items()}, timeout=timeout)
+
+
+def agree_on_idle(store: Store, groups: Mapping[str, tuple[bool, Sequence[int]]], *,
+                  timeout: timedelta) -> list[str]:
+    """The store's part of :func:`agree_on_idle_groups` for one member: ``groups`` maps each
+    group's name to whether it is idle here and its members' global ranks; returns the names
+    of those some member found busy. Its two halves: :func:`post_idle`, :func:`read_idle`."""
+    post_idle(store, groups)
+    return read_idle(store, groups, timeout=timeout)
+
+
+def post_idle(store: Store, groups: Mapping[str, tuple[bool, Sequence[int]]]) -> None:
+    """Counts this member's answer about each of ``groups`` (busy or idle); the last member to
+    answer writes the group's verdict. Each member makes a few store calls per group, however
+    large the group (a data-parallel group of thousands of ranks included)."""
+    for name, (idle, members) in groups.items():
+        busy = store.add(f"idle/{name}/busy", 0 if idle else 1)
+        if store.add(f"idle/{name}/answered", 1) == len(members):
+            # Every member counted its answer before its arrival: the count is final.
+            busy = store.add(f"idle/{name}/busy", 0)
+            store.set(f"idle/{name}/verdict", "1" if busy == 0 else "0")
+
+
+def read_idle(store: Store, groups: Mapping[str, tuple[bool, Sequence[int]]], *,
+              timeout: timedelta) -> list[str]:
+    """Waits for each of ``groups``' verdict; returns the names of those some member found
+    busy."""
     unsettled = []
-    for name, (_, info) in kept_candidates.items():
-        keys = [f"idle/{name}/{member}" for member in info.global_ranks]
-        wait_for_keys(store, keys, timeout)
-        if any(value != b"1" for value in store.multi_get(keys)):
+    for name in groups:
+        key = f"idle/{name}/verdict"
+        wait_for_keys(store, [key], timeout)
+        if store.get(key) != b"1":
             unsettled.append(name)
     return unsettled
 

@@ -160,6 +160,7 @@ def job(tmp_path):
 def test_start_posts_the_first_attempt_and_arms_once_every_standby_is_ready(job):
     (start,) = job.commands()
     assert start["op"] == "start" and start["attempt"] == 0 and start["generation"] == 0
+    assert start["ranks"] == {}  # every host runs its own ranks
     assert job.controller._ctx.attempt.store is not None and "store_port" not in start
     assert job.key(CURRENT_GENERATION_KEY) == "0"
     assert job.key(standbys_ready_key(0)) is None
@@ -1088,9 +1089,12 @@ def agent_process():
     process.wait()
 
 
-def _spare_job(tmp_path, agent, **settings) -> Job:
-    """TP2 x DP2 on hosts 0 and 1, the spare host's two standbys ready, training."""
-    job = Job(tmp_path, standbys=0, nodes=SPARE_HOSTS, local_agents={1: agent}, **settings)
+def _spare_job(tmp_path, agent: Optional[subprocess.Popen], **settings) -> Job:
+    """TP2 x DP2 on hosts 0 and 1, the spare host's two standbys ready, training; ``agent``
+    stands for host 1's agent started by this controller (None: every host starts its own
+    mover-launch)."""
+    job = Job(tmp_path, standbys=0, nodes=SPARE_HOSTS,
+              local_agents=None if agent is None else {1: agent}, **settings)
     for index in (0, 1):
         job.agent(2, "standby_ready", standby=f"a0.n2.s{index}")
     job.store.set(LAYOUT_KEY, json.dumps({"tp": 2, "pp": 1, "dp": 2}))
@@ -1273,7 +1277,9 @@ def test_a_lost_host_without_standbys_restarts_with_its_ranks_on_the_spare_host(
         job.agent(node, "stopped", workers=[])
     job.poll()
     (start,) = [c for c in job.commands() if c["op"] == "start"]
-    assert start["attempt"] == 1 and start["ranks"] == {"0": [0, 1], "2": [2, 3]}
+    # Node 0 runs its own ranks (not named: every host reads the command); the spare host
+    # runs the lost host's.
+    assert start["attempt"] == 1 and start["ranks"] == {"2": [2, 3]}
     assert job.request("status", "s1")["standby_target"] == 0
     assert {r: m["node"] for r, m in job.request("status", "s2")["membership"].items()} == {
         "0": 0, "1": 0, "2": 2, "3": 2}
@@ -1286,3 +1292,109 @@ def test_a_lost_host_whose_ranks_fit_nowhere_ends_the_job(tmp_path, agent_proces
     assert job.poll() == 1
     (reason,) = job.log("job_unplaceable")
     assert "lost host(s) [1] fit on no spare host left" in reason["reason"]
+
+
+# -- a host that leaves on purpose: its mover-launch stopped with SIGTERM --------------------
+
+LEAVING = "its mover-launch got SIGTERM"
+"""How a host's ``leaving`` event says it goes (``launch/departure.py``)."""
+
+
+def _drain_host_1(job: Job) -> None:
+    """``mover migrate --host host1``, through to training on the spare host's standbys."""
+    reply = job.request("migrate", "drain", host="host1")
+    assert reply["ranks"] == [2, 3] and reply["standbys"] == ["a0.n2.s0", "a0.n2.s1"]
+    for rank in (2, 3):
+        job.worker("prepared", rank=rank, generation=1, time=T0 + 1.0)
+    for rank in (0, 1):
+        job.worker("groups_prepared", rank=rank, generation=1, build_s=0.1, rebuilt=1, kept=1,
+                   time=T0 + 1.1)
+    job.poll()
+    for rank in range(4):
+        job.worker("boundary", rank=rank, generation=0, iteration=7, step_s=1.0, migration=1,
+                   time=T0 + 2.0)
+    job.poll()
+    for rank in (2, 3):
+        job.worker("left", rank=rank, generation=0, migration=1, time=T0 + 2.5)
+    job.generation = 1
+    job.all_ranks("switched", when=T0 + 2.6)
+    job.agent(2, "node_busy")
+    for rank in range(4):
+        job.agent(0 if rank < 2 else 2, "first_step", rank=rank, step=8, time=T0 + 3.0)
+    job.poll()
+    assert job.json(request_done_key("drain"))["ok"] is True
+    job.commands()
+
+
+def test_a_host_whose_ranks_were_migrated_away_leaves_on_sigterm_with_no_recovery(tmp_path):
+    """A drained pod's preStop hook moved its ranks, then its mover-launch got SIGTERM: the host
+    leaves the job as planned (no fence, no alarm, no recovery, no restart) and the job ends
+    without it."""
+    job = _spare_job(tmp_path, None)
+    _drain_host_1(job)
+    job.agent(1, "node_done", steps_completed=None, workers=[])
+    job.agent(1, "leaving", attempt=-1, host="host1", how=LEAVING)
+    assert job.poll() is None
+    assert job.commands() == []
+    (left,) = job.log("host_left")
+    assert (left["node"], left["host"], left["how"], left["standbys"]) == (
+        1, "host1", LEAVING, [])
+    for kind in ("host_lost", "worker_failed", "fallback", "restart"):
+        assert job.log(kind) == [], kind
+    assert [i.kind for i in job.controller.summary.interruptions] == ["migration"]
+    status = job.request("status", "s1")
+    assert status["left_hosts"] == {"1": "host1"} and status["lost_hosts"] == {}
+    assert job.request("migrate", "again", host="host1")["error"] == (
+        "host 'host1' holds no rank now (its ranks moved away, or it is a spare host): "
+        "nothing to move")
+    # what the host that left still says counts no more; the job ends without it
+    job.agent(1, "leaving", attempt=-1, host="host1", how=LEAVING)
+    for node in (0, 2):
+        job.agent(node, "node_done", steps_completed=10, workers=[])
+    assert job.poll() == 0
+    assert len(job.log("host_left")) == 1 and job.controller.summary.restarts == 0
+
+
+def test_a_host_stopped_while_it_holds_ranks_is_lost_at_once(tmp_path):
+    """No hook moved its ranks: the host is lost when its mover-launch says it goes, without
+    waiting for its heartbeat to stop, and its ranks go to the spare host's standbys."""
+    job = _spare_job(tmp_path, None)
+    job.agent(1, "leaving", attempt=-1, host="host1", how=LEAVING)
+    assert job.poll() is None
+    (lost,) = job.log("host_lost")
+    assert lost["ranks"] == [2, 3]
+    assert lost["how"] == f"{LEAVING} while it held rank(s) [2, 3]"
+    assert [c["standby"] for c in job.commands() if c["op"] == "promote"] == [
+        "a0.n2.s0", "a0.n2.s1"]
+    assert job.log("host_left") == []
+    (item,) = job.controller.summary.interruptions
+    assert item.kind == "host_loss" and item.ranks == [2, 3]
+
+
+def test_a_host_stopped_while_its_ranks_are_being_migrated_away_calls_the_migration_off(
+        tmp_path):
+    """The hook's time ran out in phase 1: the host's processes stop with it, its leavers
+    among them. The migration is called off, its joiners stopped with it, and with no other
+    standby the job restarts, placing the host's ranks on the spare host."""
+    job = _spare_job(tmp_path, None)
+    assert job.request("migrate", "drain", host="host1")["ok"]
+    job.commands()
+    job.agent(1, "leaving", attempt=-1, host="host1", how=LEAVING)
+    job.poll()
+    done = job.json(request_done_key("drain"))
+    assert done["ok"] is False and done["error"].startswith("cancelled: the leaver of rank 2")
+    (lost,) = job.log("host_lost")
+    assert lost["node"] == 1 and lost["how"] == f"{LEAVING} while it held rank(s) [2, 3]"
+    (failed,) = job.log("worker_failed")
+    assert failed["rank"] == 2 and failed["leaver"] is True
+    assert job.log("fallback")[0]["reason"] == "1 rank(s) lost but 0 standby(s) ready"
+    assert [c["op"] for c in job.commands()] == [
+        "fence", "cancel_promotion", "cancel_promotion", "generation", "stop"]
+    assert job.log("host_left") == []
+    for node in (0, 2):
+        job.agent(node, "stopped", workers=[])
+    job.poll()
+    (start,) = [c for c in job.commands() if c["op"] == "start"]
+    # Node 0 runs its own ranks (not named: every host reads the command); the spare host
+    # runs the lost host's.
+    assert start["attempt"] == 1 and start["ranks"] == {"2": [2, 3]}

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -17,11 +16,12 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from support.gpt_jobs import EXAMPLE, MODEL, background_job, tagged_processes
+from support.ports import free_job_id
 
 from mover_plugin.errors import ConfigError
 from mover_plugin.launch.config import parse_launch_args
 from mover_plugin.launch.job_secret import JOB_SECRET_ENV
-from mover_plugin.launch.slurm import PORT_BASE, PORT_SPAN, expand_hostlist, port_of_job
+from mover_plugin.launch.slurm import expand_hostlist, port_of_job
 from mover_plugin.testing import run_command
 from support.paths import SCRIPTS
 
@@ -90,16 +90,6 @@ def test_contradicting_slurm_variables_stop_the_launch(env, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("(", r"\(")
                        .replace(")", r"\)")):
         parse_launch_args(["train.py"], sys.executable, env)
-
-
-def free_job_id() -> int:
-    """A job id whose derived port the OS reports free now."""
-    while True:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        if PORT_BASE <= port < PORT_BASE + PORT_SPAN:
-            return port - PORT_BASE
 
 
 def test_srun_style_launch_trains_on_two_hosts_with_only_slurm_variables(tmp_path):

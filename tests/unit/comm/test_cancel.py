@@ -2,6 +2,7 @@
 the generation being built is superseded, and only inside cancel_when."""
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 import pytest
@@ -15,6 +16,7 @@ from mover_plugin.comm.cancel import (
     raise_if_cancelled,
     wait_for_keys,
 )
+from mover_plugin.comm.delta import agree_on_idle
 from mover_plugin.comm.errors import CollectiveAborted
 from mover_plugin.comm.process_group import MoverProcessGroup
 
@@ -64,3 +66,17 @@ def test_a_group_whose_peer_never_comes_is_given_up_and_its_backend_kept():
                               global_ranks=[0, 3])
     assert time.monotonic() - started < 5
     assert retired.held() == held_before + 1
+
+
+def test_the_members_of_a_group_agree_it_is_idle_only_if_every_one_says_so():
+    store = dist.HashStore()
+    members = [0, 1, 2]
+    answers = {0: {"dp": True, "tp": True}, 1: {"dp": True, "tp": False}, 2: {"dp": True,
+                                                                             "tp": True}}
+
+    def agree(rank):
+        groups = {name: (idle, members) for name, idle in answers[rank].items()}
+        return agree_on_idle(store, groups, timeout=timedelta(seconds=10))
+    with ThreadPoolExecutor(3) as pool:
+        verdicts = list(pool.map(agree, members))
+    assert verdicts == [["tp"], ["tp"], ["tp"]]

@@ -7,7 +7,17 @@ import time
 
 import torch.distributed as dist
 
-from mover_plugin.launch.liveness import CHECK_PERIOD_S, AgentBeat, AgentWatch, beat_key
+import pytest
+
+from mover_plugin.launch.agent_config import AgentConfig
+from mover_plugin.launch.hosts import NodeSpec
+from mover_plugin.launch.liveness import (
+    CHECK_PERIOD_S,
+    AgentBeat,
+    AgentWatch,
+    beat_key,
+    beat_period,
+)
 
 
 class Clock:
@@ -111,3 +121,16 @@ def test_beats_unanswered_for_too_long_call_the_watchdog_once():
     store.release.set()
     assert beat.join(timeout_s=10)
     assert len(silences) == 1 and silences[0] > 0.2
+
+
+@pytest.mark.parametrize("timeout_s, period_s", [(0.5, 0.25), (1.0, 0.25), (1.6, 0.4),
+                                                 (2.0, 0.5), (30.0, 0.5)])
+def test_agents_beat_four_times_per_timeout_between_a_quarter_and_half_a_second(timeout_s,
+                                                                                period_s):
+    assert beat_period(timeout_s) == pytest.approx(period_s)
+
+
+def test_an_agents_beat_period_travels_in_its_settings():
+    config = AgentConfig(NodeSpec(0, "h", 1, 0), 1, "127.0.0.1", 1, ("true",),
+                         beat_period_s=0.5)
+    assert AgentConfig.from_json(config.to_json()).beat_period_s == 0.5

@@ -7,14 +7,20 @@ of them holds up the clients that do hold the secret. The stores listen on loopb
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
-from mover_plugin.launch import store_gate
+from mover_plugin.errors import LaunchError
+from mover_plugin.launch import gate_server, store_gate
+from mover_plugin.launch.gate_server import GateServer
 from mover_plugin.launch.store_gate import (
     CONTROL_TARGET,
     GateRefused,
@@ -46,6 +52,7 @@ def test_the_secret_holder_reaches_each_routed_store_through_its_relay(gate):
     assert attempt.add("rendezvous", 0) == 3 and not control.check(["rendezvous"])
     assert relay.port_for(CONTROL_TARGET) == relay.port_for(CONTROL_TARGET)
     assert gate.take_refusals() == []
+    assert gate.bytes_forwarded > 0  # the copies happen in the gate's own process
     relay.close()
 
 
@@ -73,9 +80,13 @@ def test_a_store_the_gate_does_not_route_is_refused_and_named(gate):
     assert gate.take_refusals()[0][1] == "no store 6"
 
 
-def test_a_silent_client_is_dropped_and_holds_up_no_one(gate, monkeypatch):
-    gate, control = gate
-    monkeypatch.setattr(store_gate, "HANDSHAKE_TIMEOUT_S", 0.5)
+def test_a_silent_client_is_dropped_and_holds_up_no_one(monkeypatch):
+    """The gate's server itself (in this process, as its own process runs it)."""
+    monkeypatch.setattr(gate_server, "HANDSHAKE_TIMEOUT_S", 0.5)
+    control = host_loopback_store()
+    gate = GateServer(SECRET, "127.0.0.1", 0, {CONTROL_TARGET: control.port})
+    refusals: list[tuple[str, str]] = []
+    gate.on_refusal(lambda peer, why: refusals.append((peer, why)))
     silent = socket.create_connection(("127.0.0.1", gate.port))
     relay = StoreRelay(SECRET, "127.0.0.1", gate.port)
     relay.client(CONTROL_TARGET, timeout_s=10).set("alive", "1")  # admitted meanwhile
@@ -83,10 +94,11 @@ def test_a_silent_client_is_dropped_and_holds_up_no_one(gate, monkeypatch):
     silent.settimeout(5)
     assert silent.recv(64)[:8] == store_gate.MAGIC  # the challenge, then the verdict
     deadline = time.monotonic() + 5
-    while not (refusals := gate.take_refusals()) and time.monotonic() < deadline:
+    while not refusals and time.monotonic() < deadline:
         time.sleep(0.05)
     assert refusals and refusals[0][1].startswith("no answer to the challenge")
     silent.close()
+    gate.close()
 
 
 def test_the_gate_and_the_stores_listen_on_their_address_only():
@@ -100,3 +112,62 @@ def test_the_gate_and_the_stores_listen_on_their_address_only():
             socket.create_connection(("127.0.0.3", store.port), timeout=2)
     finally:
         gate.close()
+
+
+_OUT_OF_DESCRIPTORS = """
+import os, resource, socket, time
+from mover_plugin.launch.gate_server import GateServer, raise_open_file_limit
+from mover_plugin.launch.store_gate import CONTROL_TARGET, StoreRelay, host_loopback_store
+SECRET = b"the-job-secret-0123456789"
+store = host_loopback_store()
+gate = GateServer(SECRET, "127.0.0.1", 0, {CONTROL_TARGET: store.port})
+relay = StoreRelay(SECRET, "127.0.0.1", gate.port)
+relay.client(CONTROL_TARGET, timeout_s=10).set("k", "v")
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+used = len(os.listdir("/proc/self/fd"))
+resource.setrlimit(resource.RLIMIT_NOFILE, (used + 6, hard))
+held = []
+try:
+    for _ in range(20):
+        held.append(socket.create_connection(("127.0.0.1", gate.port), timeout=1))
+except OSError:
+    pass
+time.sleep(0.5)
+for sock in held:
+    sock.close()
+print("limit", raise_open_file_limit() >= used + 6)
+assert relay.client(CONTROL_TARGET, timeout_s=10).get("k") == b"v"
+print("gate still accepts")
+"""
+
+
+def test_a_gate_out_of_file_descriptors_accepts_again_once_some_are_free():
+    """A gate that ran out of descriptors logs it and keeps accepting: the clients that come
+    once some are free get through (it does not stop listening for good)."""
+    done = subprocess.run([sys.executable, "-c", _OUT_OF_DESCRIPTORS], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n")[:2] == ["limit True", "gate still accepts"]
+    assert "no file descriptor left" in done.stderr
+
+
+def test_a_port_taken_already_is_an_error_and_leaves_no_gate_process():
+    taken = socket.create_server(("127.0.0.1", 0))
+    processes_before = set(os.listdir("/proc"))
+    with pytest.raises(OSError, match="in use"):
+        StoreGate(SECRET, "127.0.0.1", taken.getsockname()[1])
+    taken.close()
+    children = [pid for pid in set(os.listdir("/proc")) - processes_before if pid.isdigit()
+                and "gate_server" in Path(f"/proc/{pid}/cmdline").read_text(errors="ignore")]
+    assert children == []
+
+
+def test_a_gate_whose_process_died_says_so():
+    gate = StoreGate(SECRET, "127.0.0.1", 0)
+    os.kill(gate.pid, 9)
+    deadline = time.monotonic() + 10
+    with pytest.raises(LaunchError, match="the gate's process"):
+        while time.monotonic() < deadline:
+            gate.take_refusals()
+            time.sleep(0.05)
+    gate.close()
