@@ -3,9 +3,10 @@
 rendezvous of a gloo group — through the gate and a host's relay vs straight at the store.
 
 Every process of a job reaches the controller's stores through its host's relay and the gate
-(mover_plugin/launch/store_gate.py): two hops written in Python, each a thread that passes the
-bytes on. A recovery's store traffic is mostly the rendezvous of the groups it rebuilds, so
-both are measured, in this one process, the two ways interleaved:
+(mover_plugin/launch/store_gate.py): two hops written in Python, each a selector thread that
+passes the bytes on (the gate's in a process of its own). A recovery's store traffic is mostly
+the rendezvous of the groups it rebuilds, so both are measured, from this process (the store,
+the relay and the clients) the two ways interleaved:
 
 * a store ``get`` of a small value, the median over ``--ops`` operations;
 * a gloo group of ``--group-size`` ranks (threads of this process, each with its own store
