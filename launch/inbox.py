@@ -15,7 +15,7 @@ import logging
 import os
 import queue
 import threading
-from typing import Any, Callable, Union
+from typing import Any, Callable, Optional, Union
 
 import torch.distributed as dist
 
@@ -41,6 +41,8 @@ class CommandInbox:
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_read, False)
         os.set_blocking(self._wake_write, False)
+        self._error: Optional[BaseException] = None
+        """What ended the wait, raised once the commands before it are taken."""
 
     @property
     def fileno(self) -> int:
@@ -56,22 +58,26 @@ class CommandInbox:
                          daemon=True).start()
 
     def take(self) -> list[dict[str, Any]]:
-        """The commands received since the last call, in order. Raises the error that ended
-        the wait (the controller's store is gone) once they are taken."""
+        """The commands received since the last call, in order. Once none is left, raises the
+        error that ended the wait (the controller's store is gone)."""
         try:
             while os.read(self._wake_read, 4096):
                 pass
         except BlockingIOError:
             pass
-        commands = []
-        while True:
+        commands: list[dict[str, Any]] = []
+        while self._error is None:
             try:
                 item = self._queue.get_nowait()
             except queue.Empty:
-                return commands
+                break
             if isinstance(item, BaseException):
-                raise item
-            commands.append(item)
+                self._error = item
+            else:
+                commands.append(item)
+        if not commands and self._error is not None:
+            raise self._error
+        return commands
 
     def _receive(self, mailbox: Mailbox) -> None:
         try:
@@ -83,9 +89,10 @@ class CommandInbox:
                         continue  # an hour without a command: wait again
                     raise
                 self._wake()
-        except (RuntimeError, ConnectionError) as error:
+        except Exception as error:  # noqa: BLE001 - whatever ends the wait reaches the agent
             logger.warning("the wait for the controller's commands ended (%s)", error)
-            self._queue.put(error)
+            self._queue.put(error if isinstance(error, (RuntimeError, ConnectionError))
+                            else RuntimeError(f"the command inbox failed: {error!r}"))
             self._wake()
 
     def _wake(self) -> None:

@@ -111,9 +111,14 @@ class StoreGate:
         self._refusals: list[tuple[str, str]] = []
         self._replies: list[dict[str, Any]] = []
         self._lock = threading.Condition()
+        self._write_lock = threading.Lock()
+        self._reader_ended = False
+        # A session of its own: a Ctrl-C or a signal to the launcher's process group does not
+        # close the port before the controller told the agents to finish; the end of its
+        # stdin (this process's end, whatever ends it) does.
         self._process = subprocess.Popen(
             [sys.executable, "-m", "mover_plugin.launch.gate_server"], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, text=True, bufsize=1)
+            stdout=subprocess.PIPE, text=True, bufsize=1, start_new_session=True)
         self._send(secret=secret.hex(), addr=addr, port=port,
                    routes={str(t): p for t, p in (routes or {}).items()})
         assert self._process.stdout is not None
@@ -166,9 +171,12 @@ class StoreGate:
 
     def _send(self, **request: Any) -> None:
         assert self._process.stdin is not None
-        with self._lock:
-            self._process.stdin.write(json.dumps(request) + "\n")
-            self._process.stdin.flush()
+        try:
+            with self._write_lock:
+                self._process.stdin.write(json.dumps(request) + "\n")
+                self._process.stdin.flush()
+        except OSError as error:
+            raise LaunchError(f"the job's port (the gate's process) is gone ({error})") from None
 
     def _reply(self, kind: str) -> dict[str, Any]:
         with self._lock:
@@ -177,20 +185,27 @@ class StoreGate:
                     if kind in reply:
                         self._replies.remove(reply)
                         return reply
-                if self._process.poll() is not None:
+                if self._process.poll() is not None or self._reader_ended:
                     raise LaunchError(f"the job's port (the gate's process) exited with "
-                                      f"{self._process.returncode}")
+                                      f"{self._process.poll()}")
                 self._lock.wait(1.0)
 
     def _read(self) -> None:
         assert self._process.stdout is not None
-        for line in self._process.stdout:
-            message = json.loads(line)
+        try:
+            for line in self._process.stdout:
+                message = json.loads(line)
+                with self._lock:
+                    if "refused" in message:
+                        self._refusals.append((message["refused"][0], message["refused"][1]))
+                    else:
+                        self._replies.append(message)
+                    self._lock.notify_all()
+        except (OSError, ValueError) as error:
+            logger.error("lost the gate's replies (%s)", error)
+        finally:
             with self._lock:
-                if "refused" in message:
-                    self._refusals.append((message["refused"][0], message["refused"][1]))
-                else:
-                    self._replies.append(message)
+                self._reader_ended = True
                 self._lock.notify_all()
 
 

@@ -282,9 +282,10 @@ def agree_on_idle(store: Store, groups: Mapping[str, tuple[bool, Sequence[int]]]
 def post_idle(store: Store, groups: Mapping[str, tuple[bool, Sequence[int]]]) -> None:
     """Counts this member's answer about each of ``groups`` (busy or idle); the last member to
     answer writes the group's verdict. Each member makes a few store calls per group, however
-    large the group (a data-parallel group of thousands of ranks included)."""
+    large the group (a data-parallel group of thousands of ranks included). Once per member and
+    generation: the counts live in the generation's own namespace, never reused."""
     for name, (idle, members) in groups.items():
-        busy = store.add(f"idle/{name}/busy", 0 if idle else 1)
+        store.add(f"idle/{name}/busy", 0 if idle else 1)
         if store.add(f"idle/{name}/answered", 1) == len(members):
             # Every member counted its answer before its arrival: the count is final.
             busy = store.add(f"idle/{name}/busy", 0)

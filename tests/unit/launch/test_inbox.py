@@ -81,3 +81,22 @@ def test_the_end_of_the_controllers_store_reaches_the_agents_loop_as_an_error():
         while time.monotonic() < deadline:
             inbox.take()
             time.sleep(0.05)
+
+
+def test_the_commands_before_the_end_of_the_store_are_taken_before_its_error():
+    """A ``finish`` that came just before the controller's store closed is obeyed: the error
+    comes once the commands before it are taken."""
+    server = _server()
+    commands = Mailbox(server, COMMANDS_MAILBOX)
+    inbox = CommandInbox(lambda timeout_s: _client(server, timeout_s))
+    inbox.start()
+    commands.post({"op": "finish"})
+    time.sleep(0.5)  # received and queued
+    del server, commands
+    time.sleep(0.5)  # the wait ended with the store
+    assert inbox.take() == [{"op": "finish"}]
+    with pytest.raises((RuntimeError, ConnectionError)):
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            assert inbox.take() == []
+            time.sleep(0.05)
