@@ -66,7 +66,7 @@ class GateServer:
         """``routes``: the stores (target -> loopback port) routed before the port opens, so
         no client can arrive before them (the controller's store)."""
         self._secret = secret
-        self._listeners: list[Callable[[str, str], None]] = []
+        self._refusal_listeners: list[Callable[[str, str], None]] = []
         self._routes: dict[int, int] = dict(routes or {})
         self._lock = threading.Lock()
         self._pump = Pump("mover-gate-pump")
@@ -88,7 +88,7 @@ class GateServer:
     def on_refusal(self, listener: Callable[[str, str], None]) -> None:
         """``listener(peer, why)`` hears of each refused connection (from the admitting
         thread)."""
-        self._listeners.append(listener)
+        self._refusal_listeners.append(listener)
 
     def close(self) -> None:
         try:
@@ -137,7 +137,7 @@ class GateServer:
     def _refuse(self, client: socket.socket, peer: str, why: str,
                 verdict: bytes = REFUSED) -> None:
         logger.warning("refused a connection to the job's store from %s: %s", peer, why)
-        for listener in self._listeners:
+        for listener in self._refusal_listeners:
             listener(peer, why)
         try:
             client.sendall(verdict)

@@ -56,6 +56,20 @@ def test_the_secret_holder_reaches_each_routed_store_through_its_relay(gate):
     relay.close()
 
 
+def _settled_refusals(gate: StoreGate, quiet_s: float = 0.5) -> list[tuple[str, str]]:
+    """The refusals the gate's process reports (they come a moment after each verdict), taken
+    until none came for ``quiet_s``."""
+    refusals: list[tuple[str, str]] = []
+    last = time.monotonic()
+    while time.monotonic() - last < quiet_s:
+        new = gate.take_refusals()
+        if new:
+            refusals += new
+            last = time.monotonic()
+        time.sleep(0.05)
+    return refusals
+
+
 def test_a_wrong_secret_is_refused_and_reported_and_reaches_nothing(gate):
     gate, control = gate
     wrong = StoreRelay(b"not-the-job-secret-000000", "127.0.0.1", gate.port)
@@ -65,7 +79,7 @@ def test_a_wrong_secret_is_refused_and_reported_and_reaches_nothing(gate):
     with pytest.raises(dist.DistError):
         dist.TCPStore("127.0.0.1", gate.port, is_master=False, wait_for_workers=False,
                       timeout=timedelta(seconds=2))
-    refusals = gate.take_refusals()
+    refusals = _settled_refusals(gate)
     assert refusals[0][1] == "wrong job secret"
     assert len(refusals) >= 2 and all(peer.startswith("127.0.0.1:") for peer, _ in refusals)
     assert control.list_keys() == []  # nothing was written
@@ -77,7 +91,7 @@ def test_a_store_the_gate_does_not_route_is_refused_and_named(gate):
     relay = StoreRelay(SECRET, "127.0.0.1", gate.port)
     with pytest.raises(GateRefused, match=r"has no store 6$"):
         relay.open(attempt_target(5))
-    assert gate.take_refusals()[0][1] == "no store 6"
+    assert _settled_refusals(gate)[0][1] == "no store 6"
 
 
 def test_a_silent_client_is_dropped_and_holds_up_no_one(monkeypatch):
@@ -124,18 +138,21 @@ gate = GateServer(SECRET, "127.0.0.1", 0, {CONTROL_TARGET: store.port})
 relay = StoreRelay(SECRET, "127.0.0.1", gate.port)
 relay.client(CONTROL_TARGET, timeout_s=10).set("k", "v")
 soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-used = len(os.listdir("/proc/self/fd"))
-resource.setrlimit(resource.RLIMIT_NOFILE, (used + 6, hard))
-held = []
+resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 16, hard))
+time.sleep(1.0)  # the relay's first probe of the gate, closed, has let go of its descriptors
+filler = []
 try:
-    for _ in range(20):
-        held.append(socket.create_connection(("127.0.0.1", gate.port), timeout=1))
+    while True:  # every descriptor taken ...
+        filler.append(os.open(os.devnull, os.O_RDONLY))
 except OSError:
     pass
+os.close(filler.pop())  # ... but one, which the client takes: the gate's accept has none
+client = socket.create_connection(("127.0.0.1", gate.port), timeout=5)
 time.sleep(0.5)
-for sock in held:
-    sock.close()
-print("limit", raise_open_file_limit() >= used + 6)
+for fd in filler:
+    os.close(fd)
+client.close()
+print("limit", raise_open_file_limit() == hard)
 assert relay.client(CONTROL_TARGET, timeout_s=10).get("k") == b"v"
 print("gate still accepts")
 """
