@@ -17,8 +17,11 @@ takes the lost global rank and copies a data-parallel twin. It publishes the pla
 leave the failed step), and promotes the standby. Without a ready standby, a job that can train
 on pipeline templates (its rank 0 published a :class:`~mover_plugin.shrink.TemplateSpec`)
 *shrinks*: the survivors go on alone in generation ``g + 1``, on the planner's pipelines for
-them (:func:`mover_plugin.shrink.plan_shrink`), and the agents forget the lost ranks. Otherwise,
-or without a twin, it falls back to the restart policy, and the event log says why.
+them (:func:`mover_plugin.shrink.plan_shrink`), and the agents forget the lost ranks. A rank
+lost while the job trains on templates shrinks it again, from the templates (the pool's standbys
+wait to grow it back), once every survivor of the shrink had moved onto them; a loss while it
+grows back, or one the templates cannot cover, restarts. Otherwise, or without a twin, it falls
+back to the restart policy, and the event log says why.
 
 A unit that coordinates a change of the job (a planned migration) has the first say over a
 failure while its change is under way: it registers as a :class:`Coordinator`.
@@ -26,6 +29,7 @@ failure while its change is under way: it registers as a :class:`Coordinator`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Callable, Literal, Mapping, Optional, Protocol, Union
@@ -135,14 +139,13 @@ class CrashRecovery(Unit):
                        interruption: Interruption) -> Optional[Fallback]:
         """Recovers in the running job (standbys, or else a shrink onto pipeline templates);
         returns the reason it cannot, for the restart."""
-        if self._ctx.attempt.shrunk is not None:  # before any standby is taken from the pool
-            return Fallback("a rank was lost while the job trains on pipeline templates or "
-                            "grows back from them")
         finished = sorted(rank for attempt, rank in self._finished
                           if attempt == self._ctx.attempt.number)
         if finished:  # a new generation's groups would wait for them forever
             return Fallback(f"rank(s) {finished} already finished the script, and a new "
                             "generation needs every rank")
+        if self._ctx.attempt.shrunk is not None:  # the pool's standbys wait to grow it back
+            return self._shrink_again(lost, interruption)
         unfinished = self._unfinished_joiners()
         plan = plan_recovery(lost, self._ctx.layout(), self._ctx.attempt.pool,
                              self._ctx.job.node_of_rank,
@@ -160,15 +163,39 @@ class CrashRecovery(Unit):
         logger.warning("cannot shrink onto pipeline templates: %s", shrink.reason)
         return Fallback(f"{plan.reason}; {shrink.reason}")
 
+    def _shrink_again(self, lost: list[int],
+                      interruption: Interruption) -> Optional[Fallback]:
+        """A loss while the job trains on pipeline templates: the survivors shrink again, from
+        the templates' placement; returns the reason they cannot, for the restart."""
+        ctx = self._ctx
+        shrunk = ctx.attempt.shrunk
+        assert shrunk is not None
+        if shrunk.generation != ctx.job.generation:
+            return Fallback("a rank was lost while the job grows back from pipeline templates")
+        pending = sorted(set(shrunk.survivors) - set(ctx.generation.switched) - set(lost))
+        if pending:  # their state is on neither side of the shrink for certain
+            return Fallback(f"a rank was lost before rank(s) {pending} had moved onto the "
+                            "pipeline templates")
+        spec = ctx.template_spec()
+        again = plan_shrink(lost, ctx.layout(), spec, shrunk)
+        if isinstance(again, Fallback):
+            logger.warning("cannot shrink again: %s", again.reason)
+            return Fallback(f"a rank was lost while the job trains on pipeline templates; "
+                            f"{again.reason}")
+        assert spec is not None
+        self._shrink(again, spec, interruption, lost,
+                     why="a rank was lost while the job trains on pipeline templates")
+        return None
+
     def _shrink(self, plan: ShrinkPlan, spec: TemplateSpec, interruption: Interruption,
                 lost: list[int], *, why: str) -> None:
         """Starts the survivors' generation on pipeline templates, planned from ``spec``
         (``why``: no standby). The event log keeps the profile the plan came from."""
         ctx = self._ctx
-        shrunk = plan.generation_plan(lost)
+        shrunk = plan.generation_plan()
         ctx.job.membership = ctx.job.membership.without(lost)
         old = ctx.plan_generation(shrunk)
-        ctx.attempt.shrunk = shrunk
+        ctx.attempt.shrunk = dataclasses.replace(shrunk, generation=ctx.job.generation)
         ctx.notify(old, "alarm", reason=f"rank {interruption.rank} lost")
         ctx.command("drop", ranks=lost)
         ctx.command("generation", generation=ctx.job.generation)

@@ -20,6 +20,11 @@ cannot give a lost rank a standby, :func:`plan_shrink` plans the survivors' gene
 - and every layer a survivor newly holds, with its optimizer state, sent by a live holder
   (:func:`~mover_plugin.placement.transfers`) — never read from a checkpoint.
 
+A rank lost while the job trains on templates (and no growing back is under way) shrinks it
+again: :func:`plan_shrink` given the current shrink's plan plans the remaining survivors from
+the templates' placement, every unit they newly hold sent by a live holder on the templates.
+Each shrink's plan lists every rank the job goes on without, since the job's start.
+
 When standbys are ready for every lost rank, :func:`plan_grow` plans the way back: the job's
 own layout on all its ranks again, the standbys in the lost ranks' places, every unit a rank of
 the job's layout lacks sent by a survivor that holds it on the templates.
@@ -131,11 +136,13 @@ class ShrinkPlan:
     moves: list[tuple[str, int, int]] = field(default_factory=list)
     """(unit, source, destination) in the new world's ranks, in the order every rank sends
     and receives them."""
+    lost: tuple[int, ...] = ()
+    """Every job rank the job goes on without (those of earlier shrinks too), in order."""
 
-    def generation_plan(self, lost: Sequence[int]) -> GenerationPlan:
-        """The survivors' generation's plan (``lost``: the job ranks it goes on without)."""
+    def generation_plan(self) -> GenerationPlan:
+        """The survivors' generation's plan."""
         return GenerationPlan(PlanKind.SHRINK, world_size=len(self.survivors),
-                              lost=tuple(sorted(lost)), survivors=self.survivors,
+                              lost=self.lost, survivors=self.survivors,
                               placement=self.placement.to_record(), moves=tuple(self.moves),
                               describe=self.placement.describe())
 
@@ -146,9 +153,17 @@ def job_placement(layout: ParallelLayout, spec: TemplateSpec) -> Placement:
     return Placement.uniform(pipelines, spec.num_layers, spec.microbatches, tied=spec.tied)
 
 
+def shrunk_placement(shrunk: GenerationPlan) -> Placement:
+    """The templates' placement of a shrink's plan, in job ranks."""
+    assert shrunk.placement is not None, "a shrink's plan has its placement"
+    return Placement.of_record(shrunk.placement).renumbered(dict(enumerate(shrunk.survivors)))
+
+
 def plan_shrink(lost: Sequence[int], layout: Optional[ParallelLayout],
-                spec: Optional[TemplateSpec]) -> Union[ShrinkPlan, Fallback]:
-    """The survivors' generation after losing ``lost`` (job ranks), or why there is none."""
+                spec: Optional[TemplateSpec],
+                shrunk: Optional[GenerationPlan] = None) -> Union[ShrinkPlan, Fallback]:
+    """The survivors' generation after losing ``lost`` (job ranks), or why there is none;
+    ``shrunk``: the plan of the shrink the job trains on (None: it trains on its own layout)."""
     if spec is None:
         return Fallback("the job does not train on pipeline templates (the script gave no "
                         "stage recipe, or its configuration has none)")
@@ -156,22 +171,23 @@ def plan_shrink(lost: Sequence[int], layout: Optional[ParallelLayout],
         return Fallback("the parallel layout is unknown (the workers did not publish it)")
     if layout.tp != 1:
         return Fallback(f"pipeline templates need tensor-parallel size 1, not {layout.tp}")
-    gone = set(lost)
+    gone = set(lost) | set(shrunk.lost if shrunk is not None else ())
     survivors = tuple(rank for rank in range(layout.world_size) if rank not in gone)
     try:
         templates = plan_templates(spec.planner_profile(), layout.pp)
         plan = _instantiation(templates, len(survivors), spec.microbatches,
                               spec.fault_tolerance)
-        job = job_placement(layout, spec)
+        before = job_placement(layout, spec) if shrunk is None else shrunk_placement(shrunk)
         placement = Placement.of_plan(plan, survivors, spec.num_layers, tied=spec.tied,
-                                      previous=job)
-        listed = transfers(job, placement, live=survivors)
+                                      previous=before)
+        listed = transfers(before, placement, live=survivors)
     except (PlanningError, PlacementError) as error:
         return Fallback(f"no pipeline-template plan for the {len(survivors)} rank(s) left: "
                         f"{error}")
     new_rank = {rank: index for index, rank in enumerate(survivors)}
     return ShrinkPlan(survivors, placement.renumbered(new_rank),
-                      [(t.unit, new_rank[t.source], new_rank[t.destination]) for t in listed])
+                      [(t.unit, new_rank[t.source], new_rank[t.destination]) for t in listed],
+                      lost=tuple(sorted(gone)))
 
 
 def _instantiation(templates: Any, hosts: int, microbatches: int, fault_tolerance: int) -> Any:
@@ -189,9 +205,6 @@ def plan_grow(shrunk: GenerationPlan, layout: ParallelLayout,
               spec: TemplateSpec) -> tuple[Placement, list[tuple[str, int, int]]]:
     """The job's own placement again after the shrink whose plan is ``shrunk``, and the
     moves that bring every rank its units (job ranks; the lost ranks come back empty)."""
-    survivors = shrunk.survivors
-    assert shrunk.placement is not None, "a shrink's plan has its placement"
     job = job_placement(layout, spec)
-    templates = Placement.of_record(shrunk.placement).renumbered(dict(enumerate(survivors)))
-    listed = transfers(templates, job, live=survivors, fresh=shrunk.lost)
+    listed = transfers(shrunk_placement(shrunk), job, live=shrunk.survivors, fresh=shrunk.lost)
     return job, [(t.unit, t.source, t.destination) for t in listed]

@@ -357,11 +357,15 @@ class MegatronResilience:
         dist.all_gather_object(records, mine)
         return max(record for record in records if record is not None)
 
-    def settle_iteration(self, target: int, snapshot: dict[str, Any]) -> None:
+    def settle_iteration(self, target: int, snapshot: dict[str, Any],
+                         gate: Optional[UpdateGate] = None) -> None:
         """Brings this survivor to ``target`` completed iterations
-        (:meth:`~mover_plugin.megatron.update_gate.UpdateGate.settle`)."""
-        assert self._gate is not None, "a crash before attach()"
-        self._gate.settle(target)
+        (:meth:`~mover_plugin.megatron.update_gate.UpdateGate.settle`) through ``gate``, the
+        commit gate of the optimizer it trains with (by default the script's; on pipeline
+        templates its stage's)."""
+        gate = gate or self._gate
+        assert gate is not None, "a crash before attach()"
+        gate.settle(target)
         step = self.runtime.ledger.step
         if step is not None and step.iteration == target:
             # The interrupted iteration is dropped and will be redone from its start.

@@ -19,8 +19,9 @@ alarms, commits, switches and state transfer; a framework adapter
   answer names which live rank sends each joiner its state; the runtime then does the sending;
 - **pipeline templates** — an optional participant, :attr:`FrameworkAdapter.templates`
   (``None`` where the framework cannot train on templates: such a job publishes no template
-  spec, so the controller never plans it a shrink): after a shrink (no standby),
-  :meth:`~TemplateParticipant.continue_on_templates` at every survivor; growing back,
+  spec, so the controller never plans it a shrink): after a shrink (no standby, and again
+  after each loss while shrunk), :meth:`~TemplateParticipant.leave_templates` if on templates,
+  then :meth:`~TemplateParticipant.continue_on_templates` at every survivor; growing back,
   :meth:`~TemplateParticipant.leave_templates` and
   :meth:`~TemplateParticipant.continue_after_growth` at a survivor and
   :meth:`~TemplateParticipant.join_after_growth` at a standby;
@@ -79,17 +80,22 @@ class Continuation:
 class TemplateParticipant(Protocol):
     """An adapter's part in training on pipeline templates (see the module docstring)."""
 
+    @property
+    def on_templates(self) -> bool:
+        """Whether this rank trains on pipeline templates (the job shrank)."""
+
     def continue_on_templates(self, plan: GenerationPlan,
                               snapshot: dict[str, Any]) -> Continuation:
         """A survivor's part of a shrink, once the survivors' world exists: agrees with the
         others on the iteration, moves its training onto the ``plan``'s pipeline templates
-        (:mod:`mover_plugin.shrink`) and hands the runtime its step
+        (:mod:`mover_plugin.shrink`) from the job's layout or from the templates of the
+        shrink before, and hands the runtime its step
         (:meth:`~mover_plugin.runtime.resilience.ResilienceRuntime.train_with`). Called only
         in a job whose first rank published a :class:`~mover_plugin.shrink.TemplateSpec`."""
 
     def leave_templates(self) -> None:
-        """Growing back, at a survivor: releases the groups of the pipeline templates (their
-        state is kept until :meth:`continue_after_growth`)."""
+        """Growing back or shrinking again, at a survivor: releases the groups of the
+        pipeline templates (their state is kept until the next layout takes it)."""
 
     def continue_after_growth(self, plan: GenerationPlan) -> int:
         """Growing back, at a survivor, once the job's groups exist again and the script's

@@ -106,6 +106,13 @@ class GroupSwitcher:
         clear_alarm()
         raise_if_cancelled()
 
+    def leave_survivors_world(self) -> None:
+        """Another shrink: every group of the survivors' world shut down, never waiting on a
+        lost peer (the job's groups remembered at the first shrink are kept)."""
+        dist.destroy_process_group()
+        clear_alarm()
+        raise_if_cancelled()
+
     def init_survivors_world(self, generation: int, rank: int, world_size: int) -> None:
         """A shrink: the survivors' world of their own (the adapter builds the templates'
         groups in it)."""

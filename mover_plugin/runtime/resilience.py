@@ -463,7 +463,9 @@ class ResilienceRuntime:
             logger.warning("rank %d: starting before every standby is ready", self.rank)
 
     def commit(self) -> None:
-        """The WORLD all-reduce every rank enters only with complete gradients."""
+        """The WORLD all-reduce every rank enters only with complete gradients. On the job's
+        layout it also carries the vote on a planned switch (on pipeline templates the loss
+        all-reduce carries the vote on growing back)."""
         step = self.ledger.step
         assert step is not None, "the optimizer was stepped outside run_step"
         step.reached_commit = True
@@ -471,7 +473,9 @@ class ResilienceRuntime:
         device_ready_or_exit(self.rank, "the commit vote")
         self.faults.before_vote(self.rank, lambda: migration.switch_requested,
                                 self.settings.collective_timeout_s)
-        votes = torch.tensor([1.0, 1.0 if migration.switch_requested else 0.0])
+        switch = migration.switch_requested and self.mode not in (Mode.ON_TEMPLATES,
+                                                                  Mode.GROWING_BACK)
+        votes = torch.tensor([1.0, 1.0 if switch else 0.0])
         dist.all_reduce(votes)
         step.passed_commit = True
         if votes[1] > 0:

@@ -6,7 +6,8 @@ world down (never waiting on the lost peer), makes a world of the survivors, num
 order of their job ranks (the process keeps its job rank towards the controller), and hands
 the training to the adapter's template participant
 (:class:`~mover_plugin.runtime.adapter.TemplateParticipant`), which trains the plan's pipeline
-templates with a step of its own. When standbys are ready again the survivors agree in an
+templates with a step of its own. Another loss while shrunk shrinks again the same way, from the
+survivors' world and the templates' state. When standbys are ready again the survivors agree in an
 iteration to grow back; before the next, :meth:`TemplateSwitch.grow_back` builds the job's
 world and groups again (with the standbys that take the lost ranks), points every reference
 the script's objects hold to the groups of the job before the shrink at their new
@@ -50,11 +51,18 @@ class TemplateSwitch:
                snapshot: dict[str, Any]) -> Continuation:
         """The part of the survivor of job rank ``rank`` in a shrink into ``generation``: the
         survivors' world, then the training on ``plan``'s templates from the iteration the
-        survivors agree on."""
-        self._groups.leave_job_layout()
+        survivors agree on. A rank lost while the job trains on templates shrinks it again:
+        the templates' world is left as the job's was, and the next plan's templates take
+        their state from this rank's stage."""
+        templates = self._templates()
+        if templates.on_templates:
+            templates.leave_templates()
+            self._groups.leave_survivors_world()
+        else:
+            self._groups.leave_job_layout()
         self._groups.init_survivors_world(generation, plan.survivors.index(rank),
                                           plan.world_size)
-        return self._templates().continue_on_templates(plan, snapshot)
+        return templates.continue_on_templates(plan, snapshot)
 
     def grow_back(self, generation: int, rank: int, plan: GenerationPlan) -> GrownBack:
         """The switch of the survivor of job rank ``rank`` from the templates back to the

@@ -108,16 +108,19 @@ def checkpoint_parameters(save: Path, iteration: int, num_layers: int, tied: boo
     return final
 
 
-def check_shrink(interruption: dict, events: list[dict], rank: int, step: int) -> dict:
-    """Checks the shrink's record and events; returns its event."""
+def check_shrink(interruption: dict, events: list[dict], rank: int, step: int,
+                 lost_before: tuple[int, ...] = ()) -> dict:
+    """Checks the record and events of the shrink that lost ``rank`` at ``step`` or later,
+    after a shrink that lost ``lost_before``; returns its event."""
     assert interruption["recovery"] == "shrink" and interruption["rank"] == rank
     assert interruption["step"] >= step and interruption["how"] == "signal SIGKILL"
-    survivors = sorted({0, 1, 2, 3} - {rank})
+    survivors = sorted({0, 1, 2, 3} - {rank, *lost_before})
     assert sorted(int(r) for r in interruption["left_s"]) == survivors
     assert {"detected", "alarm", "left", "switched", "first_step_completed"} <= set(
         interruption["phases_s"])
-    (shrink,) = [e for e in events if e["event"] == "shrink"]
-    assert shrink["lost"] == [rank] and shrink["survivors"] == survivors
+    (shrink,) = [e for e in events if e["event"] == "shrink" and e["lost"] == [rank]]
+    assert shrink["survivors"] == survivors
+    assert shrink["generation"] == interruption["generation"]
     switched = {e["rank"]: e["role"] for e in events
                 if e["event"] == "switched" and e["generation"] == interruption["generation"]}
     assert switched == {r: "survivor" for r in survivors}

@@ -14,8 +14,10 @@ from mover_plugin.shrink import (
     ShrinkPlan,
     TemplateSpec,
     job_placement,
+    plan_grow,
     plan_shrink,
     profile_record,
+    shrunk_placement,
 )
 from mover_plugin.templates import PlanningError, Profile, transformer_profile
 from support.profiles import slow_first_layers, stage_records
@@ -37,16 +39,19 @@ def test_any_single_loss_of_pp2_dp2_leaves_a_two_and_a_one_stage_pipeline(lost):
     assert plan.placement.ranks == (0, 1, 2)
     assert sorted(len(p) for p in plan.placement.pipelines()) == [1, 2]
     assert plan.placement.microbatches == 4
-    # a survivor receives exactly the units it did not hold in the job
-    job = job_placement(PP2_DP2, SPEC)
+    check_moves(job_placement(PP2_DP2, SPEC), plan)
+
+
+def check_moves(before: Placement, plan: ShrinkPlan) -> None:
+    """A survivor receives exactly the units it did not hold ``before`` (job ranks), each from
+    a survivor that held it."""
     for new_rank, job_rank in enumerate(plan.survivors):
-        had = set(job.units(job.role(job_rank)))
+        had = set(before.units(before.role(job_rank)))
         needs = set(plan.placement.units(plan.placement.role(new_rank)))
         received = {unit for unit, _, destination in plan.moves if destination == new_rank}
         assert received == needs - had, (job_rank, received)
-    # every sender held what it sends, in the job
     for unit, source, _ in plan.moves:
-        assert unit in job.units(job.role(plan.survivors[source]))
+        assert unit in before.units(before.role(plan.survivors[source]))
 
 
 def test_losing_every_replica_of_a_stage_is_no_plan():
@@ -97,13 +102,53 @@ def test_every_loss_of_one_or_two_ranks_of_pp2_dp4_has_a_plan():
             assert slots[-1][1] == 8  # the pipelines share the whole global batch
 
 
+def test_a_loss_while_shrunk_shrinks_again_from_the_templates():
+    first = plan_shrink([1], PP2_DP2, SPEC)
+    assert isinstance(first, ShrinkPlan)
+    shrunk = first.generation_plan()
+    assert shrunk.lost == (1,) and shrunk.survivors == (0, 2, 3)
+    second = plan_shrink([2], PP2_DP2, SPEC, shrunk)
+    assert isinstance(second, ShrinkPlan)
+    assert second.survivors == (0, 3) and second.lost == (1, 2)
+    assert second.generation_plan().lost == (1, 2)
+    # a survivor receives what it lacks on the templates, from a survivor holding it there
+    check_moves(shrunk_placement(shrunk), second)
+    # growing back afterwards: the two lost ranks come back empty, the rest from survivors
+    _, moves = plan_grow(second.generation_plan(), PP2_DP2, SPEC)
+    assert {destination for _, _, destination in moves} >= {1, 2}
+    assert {source for _, source, _ in moves} <= {0, 3}
+
+
+def test_every_two_losses_one_after_the_other_of_pp2_dp4_shrink_twice():
+    """After any first loss, any second one still leaves a holder of every layer."""
+    layout = ParallelLayout(tp=1, pp=2, dp=4)
+    spec = TemplateSpec(num_layers=8, tied=False, microbatches=8)
+    for first, second in itertools.permutations(range(8), 2):
+        shrunk = plan_shrink([first], layout, spec)
+        assert isinstance(shrunk, ShrinkPlan)
+        again = plan_shrink([second], layout, spec, shrunk.generation_plan())
+        assert isinstance(again, ShrinkPlan), (first, second, again)
+        assert again.lost == tuple(sorted((first, second)))
+        assert again.placement.ranks == tuple(range(6))
+        assert sorted(again.placement.holders()) == sorted(
+            job_placement(layout, spec).holders())
+
+
+def test_a_loss_while_shrunk_that_leaves_a_layer_no_holder_is_no_plan():
+    shrunk = plan_shrink([1, 2], PP2_DP2, SPEC)  # [0] layers 0-3 + [3] layers 0-3
+    assert isinstance(shrunk, ShrinkPlan)
+    assert isinstance(plan_shrink([0], PP2_DP2, SPEC, shrunk.generation_plan()), ShrinkPlan)
+    gone = plan_shrink([0, 3], PP2_DP2, SPEC, shrunk.generation_plan())
+    assert isinstance(gone, Fallback) and "0 rank(s) left" in gone.reason
+
+
 def test_records_round_trip():
     plan = plan_shrink([1], PP2_DP2, SPEC)
     assert isinstance(plan, ShrinkPlan)
-    record = plan.generation_plan([1]).to_record()
+    record = plan.generation_plan().to_record()
     assert Placement.of_record(record["placement"]) == plan.placement
     assert record["describe"] == plan.placement.describe()
-    assert GenerationPlan.from_record(json.loads(json.dumps(record))) == plan.generation_plan([1])
+    assert GenerationPlan.from_record(json.loads(json.dumps(record))) == plan.generation_plan()
     renamed = plan.placement.renumbered({0: 4, 1: 5, 2: 7})
     assert renamed.ranks == (4, 5, 7)
     assert renamed.describe() == plan.placement.describe().replace("[0 1]", "[4 5]").replace(

@@ -34,6 +34,7 @@ from mover_plugin.megatron.templates.shrunk import (
     template_spec,
 )
 from mover_plugin.megatron.templates.stage import StageRecipe, StageState, load_schedule
+from mover_plugin.megatron.update_gate import UpdateGate
 from mover_plugin.runtime.adapter import Continuation
 from mover_plugin.runtime.resilience import ResilienceRuntime
 
@@ -61,8 +62,10 @@ class TemplateJob(Protocol):
     def agree_on_iteration(self, *, contribute: bool) -> int:
         """The iteration every rank of the new generation continues from."""
 
-    def settle_iteration(self, target: int, snapshot: dict[str, Any]) -> None:
-        """Brings this survivor to ``target`` completed iterations."""
+    def settle_iteration(self, target: int, snapshot: dict[str, Any],
+                         gate: Optional[UpdateGate] = None) -> None:
+        """Brings this survivor to ``target`` completed iterations (``gate``: the commit gate
+        of the optimizer it trains with, when not the script's)."""
 
     def after_switch(self) -> None:
         """The script's objects are on a new generation's groups."""
@@ -184,14 +187,19 @@ class MegatronTemplates:
 
     def continue_on_templates(self, plan: GenerationPlan,
                               snapshot: dict[str, Any]) -> Continuation:
+        """A shrink: from the job's layout, or from the templates of the shrink before."""
         assert self.recipe is not None, "a shrink plan for a job that published no spec"
-        job = self._job
+        job, before = self._job, self._shrunk
         self.loop.before_shrink()
         target = job.agree_on_iteration(contribute=True)
-        job.settle_iteration(target, snapshot)
-        scheduler = job.training_objects[2]
-        self._shrunk = ShrunkTraining(plan, dist.get_rank(), self.recipe, self._job_state(),
-                                      scheduler.state_dict())
+        if before is None:
+            job.settle_iteration(target, snapshot)
+            held, schedule = self._job_state(), job.training_objects[2].state_dict()
+        else:
+            job.settle_iteration(target, snapshot, gate=before.gate)
+            held, schedule = before.trainer.state, before.trainer.scheduler.state_dict()
+        self._shrunk = ShrunkTraining(plan, dist.get_rank(), self.recipe, held, schedule,
+                                      job.runtime)
         job.runtime.train_with(self._step)
         return Continuation(target, received_bytes=self._shrunk.received_bytes)
 
@@ -212,6 +220,8 @@ class MegatronTemplates:
         return result
 
     def leave_templates(self) -> None:
+        """Growing back, or shrinking again: the templates' groups are released (this rank's
+        stage keeps its state until the next layout takes it)."""
         assert self._shrunk is not None
         self._shrunk.trainer.groups.destroy()
         self._job.teardown()  # what the templates set in parallel_state (its memory buffer)

@@ -19,10 +19,14 @@ before the first step, for the planner, when the job was given no profile; and
 :meth:`ShrunkTraining.save_final` writes the parameters a job ends with (each unit once, by
 its canonical name).
 
+The stage's optimizer has the commit gate of the job's (:class:`~mover_plugin.megatron.
+update_gate.UpdateGate`): a rank lost while shrunk leaves every survivor on the same side of an
+iteration's update, and the job shrinks again from the templates (the participant builds the
+next :class:`ShrunkTraining` from this one's stage).
+
 Limits, besides those of :mod:`~mover_plugin.megatron.templates.stage` (tensor-parallel size 1,
 CPU and gloo, fp32, the plain optimizer): the script's checkpoints are not written while shrunk
-(the final parameters are, by :meth:`ShrunkTraining.save_final`); a rank lost while shrunk makes
-the job restart from its last checkpoint.
+(the final parameters are, by :meth:`ShrunkTraining.save_final`).
 
 **Growing back.** When standbys are ready for the lost ranks, the controller plans the job's
 own layout again (:func:`mover_plugin.shrink.plan_grow`) and asks the survivors to switch at an
@@ -49,6 +53,7 @@ from mover_plugin.contract import GenerationPlan
 from mover_plugin.layout import ParallelLayout
 from mover_plugin.megatron.checkpoint import capture_rng_state, restore_rng_state
 from mover_plugin.megatron.templates.profile import host_memory_bytes, measure_training_stage
+from mover_plugin.megatron.update_gate import UpdateGate
 from mover_plugin.megatron.templates.stage import (
     PlacementGroups,
     StageRecipe,
@@ -58,6 +63,7 @@ from mover_plugin.megatron.templates.stage import (
     unit_of,
 )
 from mover_plugin.placement import Placement, Transfer
+from mover_plugin.runtime.resilience import ResilienceRuntime
 from mover_plugin.runtime.settings import ResilienceSettings
 from mover_plugin.shrink import TemplateSpec, profile_record
 from mover_plugin.templates import Profile
@@ -130,9 +136,10 @@ class ShrunkTraining:
     """One survivor's training on the plan of a shrink (built in the survivors' world)."""
 
     def __init__(self, plan: GenerationPlan, rank: int, recipe: StageRecipe,
-                 held: StageState, schedule: dict[str, Any]) -> None:
+                 held: StageState, schedule: dict[str, Any], runtime: ResilienceRuntime) -> None:
         """``rank``: this process's rank in the survivors' world; ``held``: the state of the
-        stage it trained in the job; ``schedule``: the job's scheduler state."""
+        stage it trained before (in the job, or on the templates of an earlier shrink);
+        ``schedule``: that stage's scheduler state."""
         assert plan.placement is not None, "a shrink's plan has its placement"
         self.placement = Placement.of_record(plan.placement)
         self.rank = rank
@@ -140,6 +147,10 @@ class ShrunkTraining:
         self.trainer = StageTrainer(self.placement, rank, recipe,
                                     PlacementGroups(self.placement, rank))
         restore_rng_state(rng)
+        self.gate = UpdateGate(self.trainer.optimizer, self.trainer.scheduler, runtime, None,
+                               lambda: recipe.global_batch_size)
+        """The commit before the stage's update: a rank lost while shrunk leaves every
+        survivor on the same side of it (:meth:`UpdateGate.settle`)."""
         moves = [Transfer(unit, source, destination)
                  for unit, source, destination in plan.moves]
         self.received_bytes = relayout(moves, rank, held, self.trainer.state)
@@ -154,6 +165,7 @@ class ShrunkTraining:
         """One iteration: (the mean loss over the global batch, the gradient norm). ``vote``:
         this rank saw the request to grow back; :attr:`grow_agreed` then says whether any
         rank did. ``repeat``: see :meth:`StageTrainer.train_step`."""
+        self.gate.begin_attempt()
         return self.trainer.train_step(iteration, vote, repeat)
 
     @property

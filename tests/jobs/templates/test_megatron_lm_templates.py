@@ -1,7 +1,8 @@
 """Megatron-LM's own training loop shrinks onto pipeline templates when a rank is lost and no
-standby is ready, and grows back once one is: examples/megatron_lm/pretrain_gpt.py (which
-calls nothing of mover_plugin) under mover-launch --policy resilient --standbys 0 with
---resilient, TP1 x PP2 x DP2 on 4 processes, one rank SIGKILLed by its agent.
+standby is ready, shrinks again at a second loss, and grows back once a standby is ready:
+examples/megatron_lm/pretrain_gpt.py (which calls nothing of mover_plugin) under mover-launch
+--policy resilient --standbys 0 with --resilient, TP1 x PP2 x DP2 on 4 processes (pipelines
+[0 2] and [1 3]), ranks SIGKILLed by their agents.
 
 Two jobs, compared with the same steps without interruption (mover-launch without
 --resilient, one run of GROW_STEPS that saves at SHRUNK_STEPS too):
@@ -11,9 +12,11 @@ Two jobs, compared with the same steps without interruption (mover-launch withou
   a standby refills the lost slot (``--refill-delay-s 0``; it needs about 10 s to start) and
   the job grows back to PP2 x DP2; Megatron-LM's evaluations while shrunk are skipped, those
   after growing back run;
-- rank 2 (last stage) lost at step 5 of SHRUNK_STEPS: the job ends shrunk, planned from the
-  profile its stages measured at start; its checkpoints are skipped, its final parameters are
-  written under --save by unit, and PARAMS_DIGEST says why there is none.
+- rank 2 (last stage of pipeline [0 2]) lost at step 5 of SHRUNK_STEPS, then rank 1 (the
+  other pipeline's first stage, alone on the templates) at step 40: two shrinks, the second
+  from the templates' state, and the job ends on two ranks, planned from the profile its
+  stages measured at start; its checkpoints are skipped, its final parameters are written
+  under --save by unit, and PARAMS_DIGEST says why there is none.
 
 Checked: no restart; the loss of every step within 1e-4 relative, as Megatron-LM logs it; the
 final parameters within template_runs.PARAM_TOLERANCE (only the order of float additions
@@ -81,7 +84,8 @@ def grown(tmp_path_factory):
 def shrunk(tmp_path_factory):
     folder = tmp_path_factory.mktemp("shrink")
     return (*run(folder, SHRUNK_STEPS, "--resilient", "--save-interval", "100",
-                 launcher=("--inject-failure", "2:5")), folder / "ck")
+                 launcher=("--inject-failure", "2:5", "--inject-failure", "1:40")),
+            folder / "ck")
 
 
 def test_megatron_lm_shrinks_and_grows_back_without_a_restart(grown):
@@ -110,13 +114,15 @@ def test_megatron_lm_shrinks_and_grows_back_without_a_restart(grown):
 def test_a_job_that_ends_shrunk_skips_its_checkpoints_and_writes_its_parameters(shrunk):
     result, summary, events, save = shrunk
     assert summary["restarts"] == 0 and summary["steps_completed"] == SHRUNK_STEPS
-    (interruption,) = summary["interruptions"]
-    shrink = check_shrink(interruption, events, 2, 5)
+    first, second = summary["interruptions"]
+    shrink = check_shrink(first, events, 2, 5)
     # planned from what the job's two stages measured of their layers before the first step
     assert shrink["profile_source"] == "measured"
     assert [layer["name"] for layer in shrink["profile"]["layers"]] == [
         "embedding", *(f"layer {i}" for i in range(NUM_LAYERS)), "output"]
-    assert " + [1] layers 0-3 x " in interruption["plan"]
+    assert " + [1] layers 0-3 x " in first["plan"]
+    # the 1-stage pipeline of job rank 1 lost: job ranks 0 and 3 go on
+    assert check_shrink(second, events, 1, 40, lost_before=(2,))["survivors"] == [0, 3]
     assert result.lines_starting("PARAMS_DIGEST") == [
         "PARAMS_DIGEST none: the job ended on pipeline templates"]
     for iteration in (100, 200):
@@ -141,6 +147,6 @@ def test_final_parameters_match_the_failure_free_run(grown, shrunk, failure_free
     _, reference = failure_free
     for final, iteration in (
             (checkpoint_parameters(grown[-1], GROW_STEPS, NUM_LAYERS, tied=True), GROW_STEPS),
-            (parameters_by_unit(shrunk[-1], SHRUNK_STEPS, survivors=3), SHRUNK_STEPS)):
+            (parameters_by_unit(shrunk[-1], SHRUNK_STEPS, survivors=2), SHRUNK_STEPS)):
         expected = checkpoint_parameters(reference, iteration, NUM_LAYERS, tied=True)
         check_parameters(final, expected, HEAD_SIZE)
