@@ -36,6 +36,8 @@ Hook points (each checked on megatron-core 0.19.2 with ``pretrain_gpt.py`` at co
   ``save_checkpoint_and_time`` and ``evaluate_and_print_results`` (called by ``train`` and
   ``pretrain``) in ``megatron.training.training``: :meth:`MegatronLMHooks.around_datasets`,
   :meth:`MegatronLMHooks.around_save` and :meth:`MegatronLMHooks.around_evaluation`.
+- ``BlendedMegatronDatasetBuilder.__init__`` in ``megatron.core.datasets`` (the scripts'
+  dataset providers make one): :meth:`MegatronLMHooks.around_dataset_builder`.
 
 Use::
 
@@ -123,6 +125,12 @@ class MegatronLMHooks:
         """Runs ``build_train_valid_test_datasets(provider, ...)``; returns the training,
         validation and test datasets (None where this rank builds none)."""
         return build(*args, **kwargs)
+
+    def around_dataset_builder(self, init: Callable[..., None], builder: Any, *args: Any,
+                               **kwargs: Any) -> None:
+        """Runs Megatron-Core's ``BlendedMegatronDatasetBuilder.__init__(builder, cls, sizes,
+        is_built_on_rank, config)``: the builder of every dataset a script builds with it."""
+        init(builder, *args, **kwargs)
 
     def around_save(self, save: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Runs ``save_checkpoint_and_time(iteration, model, optimizer, ...)``: every
@@ -220,3 +228,17 @@ def _swap_train(swap: AttributeSwap) -> None:
                        ("save_checkpoint_and_time", "around_save"),
                        ("evaluate_and_print_results", "around_evaluation")):
         _wrap(swap, "megatron.training.training", name, hook)
+
+
+@_hook_point("lm-dataset-builder", "Megatron-Core's dataset builder is set up inside the "
+             "installed hooks")
+def _swap_dataset_builder(swap: AttributeSwap) -> None:
+    module = importlib.import_module("megatron.core.datasets.blended_megatron_dataset_builder")
+    builder_class = module.BlendedMegatronDatasetBuilder
+    init = builder_class.__init__
+
+    def init_with_hooks(builder: Any, *args: Any, **kwargs: Any) -> None:
+        installed_hooks().around_dataset_builder(init, builder, *args, **kwargs)
+
+    init_with_hooks.__wrapped__ = init  # type: ignore[attr-defined]
+    swap.set_attr(builder_class, "__init__", init_with_hooks)

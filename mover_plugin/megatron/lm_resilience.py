@@ -81,6 +81,7 @@ from mover_plugin.megatron.templates.megatron_lm import (
     lm_stage_recipe,
     lm_template_refusals,
 )
+from mover_plugin.megatron.templates.shrunk import template_refusals
 from mover_plugin.megatron.resilience import MegatronResilience
 from mover_plugin.megatron.moe import clear_moe_metrics
 from mover_plugin.runtime.adapter import Transfer
@@ -258,6 +259,17 @@ class MegatronLMResilience(MegatronResilience):
         self.joined_in_place = not self._rolled_back
         self._rolled_back = False
         self._local = _local_collectives()
+
+    def middle_stage_reads_data(self) -> bool:
+        """Whether this rank is a middle pipeline stage of a job that may shrink onto pipeline
+        templates, where it may be a first or last stage: it builds the training dataset too."""
+        from megatron.core import parallel_state
+
+        if (parallel_state.is_pipeline_first_stage(ignore_virtual=True)
+                or parallel_state.is_pipeline_last_stage(ignore_virtual=True)):
+            return False
+        return not (lm_template_refusals(self.args, self._pretrain)
+                    or template_refusals(self.args, self.sharded))
 
     def after_data_iterators(self, train_dataset: Any) -> None:
         """This rank's data iterators exist (``train_dataset``: the training dataset they

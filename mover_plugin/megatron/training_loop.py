@@ -39,6 +39,7 @@ import argparse
 import functools
 import logging
 import time
+import traceback
 from typing import TYPE_CHECKING, Any, Callable, NoReturn, Optional
 
 from mover_plugin.errors import ConfigError
@@ -80,6 +81,13 @@ def after_megatron_training_import() -> None:
     install_hooks(DropInHooks())
 
 
+def failing_line(error: BaseException) -> str:
+    """The source line where ``error`` was raised (``assert args.save_interval is not
+    None``)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    return (frames[-1].line or "").strip() if frames else ""
+
+
 class DropInHooks(MegatronLMHooks):
     """mover_plugin's behaviour at Megatron-LM's hook points (see the module docstring)."""
 
@@ -95,6 +103,8 @@ class DropInHooks(MegatronLMHooks):
         """What the script gave Megatron-LM's ``pretrain`` (a standby warms up with it)."""
         self._train_dataset: Any = None
         """The training dataset Megatron-LM built on this rank, last time it built one."""
+        self._build_everywhere = False
+        """While a middle pipeline stage builds the datasets for the pipeline templates."""
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         """mover_plugin's flags on Megatron-LM's parser."""
@@ -119,9 +129,10 @@ class DropInHooks(MegatronLMHooks):
         except (AssertionError, ValueError, TypeError) as error:
             if not preflight:
                 raise
-            # Megatron-LM's validate_args reports bad values with assertions.
+            # Megatron-LM's validate_args reports bad values with assertions, most of them
+            # without a message: the failing line names the flag.
             exit_with_error(str(error) or f"{type(error).__name__} in Megatron-LM's "
-                            "validate_args")
+                            f"validate_args: {failing_line(error)}")
         if preflight:
             exit_checked(bool(parsed.resilient))
         return parsed
@@ -188,9 +199,26 @@ class DropInHooks(MegatronLMHooks):
         return chunk is None or chunks is None or chunk == chunks - 1
 
     def around_datasets(self, build: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        datasets = build(*args, **kwargs)
+        """The datasets, and the training one kept for the pipeline templates. A middle
+        pipeline stage of a job that may shrink onto templates builds them too (a template
+        may make it a first or last stage) and hands Megatron-LM's loop none, as it would have
+        built none."""
+        everywhere = self.resilience is not None and self.resilience.middle_stage_reads_data()
+        self._build_everywhere = everywhere
+        try:
+            datasets = build(*args, **kwargs)
+        finally:
+            self._build_everywhere = False
         self._train_dataset = datasets[0]
-        return datasets
+        return tuple(None for _ in datasets) if everywhere else datasets
+
+    def around_dataset_builder(self, init: Callable[..., None], builder: Any, *args: Any,
+                               **kwargs: Any) -> None:
+        if self._build_everywhere:
+            from mover_plugin.megatron.templates.megatron_lm import built_on_this_rank_too
+
+            args, kwargs = built_on_this_rank_too(init, builder, args, kwargs)
+        init(builder, *args, **kwargs)
 
     def around_save(self, save: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Megatron-LM's checkpoint, skipped while the job trains on pipeline templates (the

@@ -5,8 +5,10 @@ rank runs a micro-batch would change its dropout masks)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from pathlib import Path
+from typing import Sequence
 
 import numpy
 import torch
@@ -14,6 +16,8 @@ import torch
 from mover_plugin.megatron.templates.shrunk import FINAL_FOLDER
 from mover_plugin.testing.template_run import TemplateRun
 from mover_plugin.megatron.templates.stage import canonical_parameters
+from support.gpt_jobs import read_events
+from support.megatron_lm_jobs import mover_launch
 from support.paths import EXAMPLES
 
 EXAMPLE = EXAMPLES / "pretrain_gpt.py"
@@ -95,26 +99,43 @@ def parameters_by_unit(save: Path, iteration: int, survivors: int) -> dict:
     return final
 
 
-def checkpoint_parameters(save: Path, iteration: int, num_layers: int, tied: bool) -> dict:
-    """The parameters of a PP2 job's checkpoint in Megatron's ``torch`` format (each stage's,
-    by canonical name)."""
+def checkpoint_parameters(save: Path, iteration: int, num_layers: int, tied: bool,
+                          stages: int = 2) -> dict:
+    """The parameters of a TP1 job's checkpoint in Megatron's ``torch`` format (each of its
+    pipeline ``stages``', by canonical name)."""
     final: dict = {}
-    for stage in (0, 1):
+    for stage in range(stages):
         path = save / f"iter_{iteration:07d}" / f"mp_rank_00_{stage:03d}" / "model_optim_rng.pt"
         state = torch.load(path, weights_only=False)["model"]
         values = [(name, value.numpy()) for name, value in state.items()
                   if not name.endswith("_extra_state")]
-        final.update(canonical_parameters(values, stage * num_layers // 2, tied=tied))
+        final.update(canonical_parameters(values, stage * num_layers // stages, tied=tied))
     return final
 
 
+def lm_template_run(folder: Path, flags: Sequence[str], *, launcher: Sequence[str] = (),
+                    nproc: int = 4):
+    """Megatron-LM's loop under mover-launch with ``flags`` (and ``--save folder/ck``); with
+    ``launcher`` flags, resilient with no standby at start: (the command's result, the run
+    summary, the event log); without, the result alone."""
+    summary, events = folder / "summary.json", folder / "events.jsonl"
+    resilient = ["--policy", "resilient", "--standbys", "0", "--summary", str(summary),
+                 "--event-log", str(events), "--stop-grace-s", "2", *launcher] if launcher else []
+    result = mover_launch(*flags, "--save", str(folder / "ck"), launcher_flags=resilient,
+                          cwd=folder, nproc=nproc)
+    assert result.returncode == 0, result.output[-5000:]
+    if not launcher:
+        return result
+    return result, json.loads(summary.read_text()), read_events(events)
+
+
 def check_shrink(interruption: dict, events: list[dict], rank: int, step: int,
-                 lost_before: tuple[int, ...] = ()) -> dict:
+                 lost_before: tuple[int, ...] = (), world: int = 4) -> dict:
     """Checks the record and events of the shrink that lost ``rank`` at ``step`` or later,
-    after a shrink that lost ``lost_before``; returns its event."""
+    after shrinks that lost ``lost_before``, in a job of ``world`` ranks; returns its event."""
     assert interruption["recovery"] == "shrink" and interruption["rank"] == rank
     assert interruption["step"] >= step and interruption["how"] == "signal SIGKILL"
-    survivors = sorted({0, 1, 2, 3} - {rank, *lost_before})
+    survivors = sorted(set(range(world)) - {rank, *lost_before})
     assert sorted(int(r) for r in interruption["left_s"]) == survivors
     assert {"detected", "alarm", "left", "switched", "first_step_completed"} <= set(
         interruption["phases_s"])

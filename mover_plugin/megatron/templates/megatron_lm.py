@@ -21,6 +21,9 @@ Megatron-LM's ``pretrain``.
   ``data_parallel_size x micro_batch_size x micro-batches`` samples from its flags, as the job
   does.
 - :func:`lm_template_refusals`: why a job cannot train on templates on this path.
+- :func:`built_on_this_rank_too`: a middle pipeline stage builds the training dataset too, as
+  a first or last stage does (a template may make it one); Megatron-LM's loop is handed none
+  there, as it would have built none.
 - :class:`MegatronLMLoop`: where Megatron-LM's loop differs from a Megatron-Core script's
   for the adapters' template unit (:mod:`mover_plugin.megatron.templates.participant`): an
   iteration runs inside Megatron-Core's rerun state machine and returns what Megatron-LM's
@@ -77,8 +80,6 @@ def lm_template_refusals(args: argparse.Namespace, call: Optional[PretrainCall])
     refused = {
         "neither a model provider nor a model config given to pretrain()":
             call is None or (call.model_provider is None and _model_config(call) is None),
-        "a pipeline of more than 2 stages (its middle stages hold no training dataset)":
-            args.pipeline_model_parallel_size > 2,
         "virtual pipeline stages (--num-layers-per-virtual-pipeline-stage)":
             args.virtual_pipeline_model_parallel_size is not None,
         f"--dataloader-type {args.dataloader_type}": args.dataloader_type != "single",
@@ -94,6 +95,19 @@ def lm_template_refusals(args: argparse.Namespace, call: Optional[PretrainCall])
         "--use-mup": getattr(args, "use_mup", False),
     }
     return [reason for reason, applies in refused.items() if applies]
+
+
+def built_on_this_rank_too(init: Callable[..., None], builder: Any, args: tuple,
+                           kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    """The arguments of Megatron-Core's ``BlendedMegatronDatasetBuilder.__init__(builder,
+    *args, **kwargs)`` with ``is_built_on_rank`` answering yes: a middle pipeline stage of a job
+    that may shrink onto pipeline templates builds the datasets too, since a template may make
+    it a first or last stage (tensor-parallel size 1: every rank reads its own data)."""
+    import inspect
+
+    bound = inspect.signature(init).bind(builder, *args, **kwargs)
+    bound.arguments["is_built_on_rank"] = lambda *_, **__: True
+    return bound.args[1:], bound.kwargs
 
 
 def _model_config(call: PretrainCall) -> Any:

@@ -78,6 +78,22 @@ def template_spec(args: argparse.Namespace, settings: ResilienceSettings,
                   sharded: bool, quiet: bool = False) -> Optional[TemplateSpec]:
     """What the planner needs of this job, or None (with the reason logged, unless
     ``quiet``) when it cannot train on pipeline templates."""
+    reasons = template_refusals(args, sharded)
+    if reasons:
+        if not quiet:
+            logger.info("no pipeline templates for this job (%s): a rank lost with no standby "
+                        "ready restarts the job", ", ".join(reasons))
+        return None
+    return TemplateSpec(num_layers=args.num_layers,
+                        tied=not args.untie_embeddings_and_output_weights,
+                        microbatches=args.global_batch_size // args.micro_batch_size,
+                        fault_tolerance=settings.fault_tolerance,
+                        profile=getattr(args, "template_profile", None))
+
+
+def template_refusals(args: argparse.Namespace, sharded: bool) -> list[str]:
+    """Why a Megatron-Core job with ``args`` (``sharded``: with the distributed optimizer)
+    cannot train on pipeline templates; none: it can."""
     reasons = []
     if args.tensor_model_parallel_size != 1:
         reasons.append(f"tensor-parallel size {args.tensor_model_parallel_size}")
@@ -89,16 +105,7 @@ def template_spec(args: argparse.Namespace, settings: ResilienceSettings,
         reasons.append("a GPU (the layer transfers are written for CPU tensors)")
     if getattr(args, "fp16", False) or getattr(args, "bf16", False):
         reasons.append("fp16/bf16 parameters")
-    if reasons:
-        if not quiet:
-            logger.info("no pipeline templates for this job (%s): a rank lost with no standby "
-                        "ready restarts the job", ", ".join(reasons))
-        return None
-    return TemplateSpec(num_layers=args.num_layers,
-                        tied=not args.untie_embeddings_and_output_weights,
-                        microbatches=args.global_batch_size // args.micro_batch_size,
-                        fault_tolerance=settings.fault_tolerance,
-                        profile=getattr(args, "template_profile", None))
+    return reasons
 
 
 def measure_own_stage(args: argparse.Namespace, model: Any, recipe: StageRecipe,

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from mover_plugin.megatron.lm_standby import PretrainCall
-from mover_plugin.megatron.templates.megatron_lm import lm_template_refusals, training_microbatch
+from mover_plugin.megatron.templates.megatron_lm import (built_on_this_rank_too,
+                                                        lm_template_refusals, training_microbatch)
 from mover_plugin.patches import apply_patches
 from mover_plugin.testing import run_ranks
 
@@ -69,13 +70,13 @@ CALL = PretrainCall(model_type=None, forward_step=print, model_provider=print,
 
 def test_a_job_megatron_lm_can_train_on_templates_is_refused_nothing():
     assert lm_template_refusals(megatron_lm_args(), CALL) == []
+    assert lm_template_refusals(megatron_lm_args(pipeline_model_parallel_size=4), CALL) == []
     container = argparse.Namespace(model=object())
     assert lm_template_refusals(megatron_lm_args(), PretrainCall(
         None, print, model_provider=None, cfg_container=container)) == []
 
 
 @pytest.mark.parametrize("overrides, reason", [
-    ({"pipeline_model_parallel_size": 4}, "a pipeline of more than 2 stages"),
     ({"virtual_pipeline_model_parallel_size": 2}, "virtual pipeline stages"),
     ({"dataloader_type": "cyclic"}, "--dataloader-type cyclic"),
     ({"rampup_batch_size": [4, 4, 100]}, "--rampup-batch-size"),
@@ -91,6 +92,21 @@ def test_a_job_megatron_lm_can_train_on_templates_is_refused_nothing():
 def test_what_megatron_lm_cannot_train_on_templates_is_named(overrides, reason):
     (refused,) = lm_template_refusals(megatron_lm_args(**overrides), CALL)
     assert refused.startswith(reason)
+
+
+def test_a_middle_stage_builds_the_datasets_with_megatron_cores_builder_too():
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
+
+    init = BlendedMegatronDatasetBuilder.__init__
+    never = lambda *_, **__: False  # noqa: E731 - a script's answer on a middle stage
+    for args, kwargs in (((int, [1, 0, 0], never, None), {}),
+                         ((int, [1, 0, 0]), {"is_built_on_rank": never, "config": None})):
+        args, kwargs = built_on_this_rank_too(init, "builder", args, kwargs)
+        every = {**dict(zip(("cls", "sizes", "is_built_on_rank", "config"), args)), **kwargs}
+        assert every["is_built_on_rank"]() is True
+        assert (every["cls"], every["sizes"], every["config"]) == (int, [1, 0, 0], None)
 
 
 def test_a_job_whose_model_comes_from_neither_provider_nor_config_is_refused():

@@ -26,17 +26,15 @@ micro-batch would change its masks.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
-from support.gpt_jobs import read_events
-from support.megatron_lm_jobs import FLAGS, PP2, lm_losses, mover_launch
+from support.megatron_lm_jobs import PP2, lm_losses
 from mover_plugin.megatron.templates.profile import write_profile
 from mover_plugin.templates import transformer_profile
 from support.template_runs import (check_parameters, check_shrink, check_shrink_and_grow,
-                                   checkpoint_parameters, parameters_by_unit)
+                                   checkpoint_parameters, lm_template_run, parameters_by_unit)
 
 pytest.importorskip("megatron.training")
 
@@ -54,15 +52,8 @@ TEMPLATE_FLAGS = [
 
 
 def run(folder: Path, steps: int, *flags: str, launcher=()):
-    summary, events = folder / "summary.json", folder / "events.jsonl"
-    resilient = ["--policy", "resilient", "--standbys", "0", "--summary", str(summary),
-                 "--event-log", str(events), "--stop-grace-s", "2", *launcher] if launcher else []
-    result = mover_launch(*TEMPLATE_FLAGS, "--train-iters", str(steps), "--save",
-                          str(folder / "ck"), *flags, launcher_flags=resilient, cwd=folder)
-    assert result.returncode == 0, result.output[-5000:]
-    if not launcher:
-        return result
-    return result, json.loads(summary.read_text()), read_events(events)
+    return lm_template_run(folder, [*TEMPLATE_FLAGS, "--train-iters", str(steps), *flags],
+                           launcher=launcher)
 
 
 @pytest.fixture(scope="module")
