@@ -95,7 +95,7 @@ def parameters_by_unit(save: Path, iteration: int, survivors: int) -> dict:
         saved = torch.load(path)
         assert saved["iteration"] == iteration
         assert not set(saved["parameters"]) & set(final)
-        final.update({name: value.numpy() for name, value in saved["parameters"].items()})
+        final.update({name: value.float().numpy() for name, value in saved["parameters"].items()})
     return final
 
 
@@ -107,7 +107,7 @@ def checkpoint_parameters(save: Path, iteration: int, num_layers: int, tied: boo
     for stage in range(stages):
         path = save / f"iter_{iteration:07d}" / f"mp_rank_00_{stage:03d}" / "model_optim_rng.pt"
         state = torch.load(path, weights_only=False)["model"]
-        values = [(name, value.numpy()) for name, value in state.items()
+        values = [(name, value.float().numpy()) for name, value in state.items()
                   if not name.endswith("_extra_state")]
         final.update(canonical_parameters(values, stage * num_layers // stages, tied=tied))
     return final

@@ -50,7 +50,7 @@ import torch
 from mover_plugin.megatron.lm_counters import load_loop_state, loop_state
 from mover_plugin.megatron.lm_standby import PretrainCall
 from mover_plugin.megatron.templates.participant import Repeat
-from mover_plugin.megatron.templates.stage import StageRecipe
+from mover_plugin.megatron.templates.stage import StageRecipe, inner_model
 
 logger = logging.getLogger(__name__)
 
@@ -134,6 +134,7 @@ def lm_stage_recipe(args: argparse.Namespace, call: PretrainCall,
         seq_length=args.seq_length,
         micro_batch_size=args.micro_batch_size,
         global_batch_size=args.global_batch_size,
+        grad_reduce_in_fp32=bool(getattr(args, "accumulate_allreduce_grads_in_fp32", False)),
     )
 
 
@@ -248,7 +249,7 @@ class MegatronLMLoop:
         return rerun_checks_off()
 
     def job_module(self, model: Any) -> torch.nn.Module:
-        return model[0].module
+        return inner_model(model[0].module)
 
     def before_shrink(self) -> None:
         # A shrink started again after another loss: the job's layout is read first.

@@ -33,7 +33,8 @@ from mover_plugin.megatron.templates.shrunk import (
     move_back,
     template_spec,
 )
-from mover_plugin.megatron.templates.stage import StageRecipe, StageState, load_schedule
+from mover_plugin.megatron.templates.stage import (StageRecipe, StageState, inner_model,
+                                                   load_schedule)
 from mover_plugin.megatron.update_gate import UpdateGate
 from mover_plugin.runtime.adapter import Continuation
 from mover_plugin.runtime.resilience import ResilienceRuntime
@@ -112,7 +113,7 @@ class CoreLoop:
         return contextlib.nullcontext()
 
     def job_module(self, model: Any) -> torch.nn.Module:
-        return model.module
+        return inner_model(model.module)
 
     def before_shrink(self) -> None:
         pass

@@ -25,8 +25,8 @@ iteration's update, and the job shrinks again from the templates (the participan
 next :class:`ShrunkTraining` from this one's stage).
 
 Limits, besides those of :mod:`~mover_plugin.megatron.templates.stage` (tensor-parallel size 1,
-CPU and gloo, fp32, the plain optimizer): the script's checkpoints are not written while shrunk
-(the final parameters are, by :meth:`ShrunkTraining.save_final`).
+CPU and gloo, fp32 or bf16, the plain optimizer): the script's checkpoints are not written while
+shrunk (the final parameters are, by :meth:`ShrunkTraining.save_final`).
 
 **Growing back.** When standbys are ready for the lost ranks, the controller plans the job's
 own layout again (:func:`mover_plugin.shrink.plan_grow`) and asks the survivors to switch at an
@@ -103,8 +103,8 @@ def template_refusals(args: argparse.Namespace, sharded: bool) -> list[str]:
         reasons.append("the distributed optimizer")
     if torch.cuda.is_available():
         reasons.append("a GPU (the layer transfers are written for CPU tensors)")
-    if getattr(args, "fp16", False) or getattr(args, "bf16", False):
-        reasons.append("fp16/bf16 parameters")
+    if getattr(args, "fp16", False):
+        reasons.append("fp16 parameters (the loss scaler's state is not carried yet)")
     return reasons
 
 

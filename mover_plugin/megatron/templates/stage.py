@@ -23,14 +23,16 @@ same update, and the copies stay equal.
 :func:`relayout` moves parameters and optimizer state (Adam's moments and step) unit by unit
 (:func:`~mover_plugin.placement.transfers`) from the ranks that hold them to those that need
 them, from a model of any placement (or the job's own Megatron-Core model, as a
-:class:`StageState`) to the new stage's.
+:class:`StageState`) to the new stage's. With bf16 parameters a stage is built in
+Megatron-Core's ``Float16Module`` (as Megatron-LM builds the job's) and a unit carries each
+parameter's fp32 main copy too, which the mixed-precision optimizer updates.
 
 Limits: tensor-parallel size 1 (a stage is one rank); no dropout in a test that compares with
 the full job (which rank runs a micro-batch changes its dropout masks). Written and tested for
-CPU and gloo with fp32 parameters and Megatron-Core's plain (not distributed) optimizer over
-torch's Adam, whose ``step`` is a per-parameter tensor: the transfers and the loss all-reduce
-use CPU tensors (NCCL needs them on the GPU), with bf16 parameters the optimizer holds fp32
-copies that :func:`adam_state` does not look for, and fused Adam keeps its step per group.
+CPU and gloo with fp32 or bf16 parameters and Megatron-Core's plain (not distributed) optimizer
+over torch's Adam, whose ``step`` is a per-parameter tensor: the transfers and the loss
+all-reduce use CPU tensors (NCCL needs them on the GPU), fp16's loss scaler is not carried, and
+fused Adam keeps its step per group.
 """
 
 from __future__ import annotations
@@ -70,6 +72,10 @@ class StageRecipe:
     optimizer_overrides: Any = None
     """Megatron-Core's per-parameter optimizer settings (``config_overrides``), as the job's
     optimizer was built with them (None: none)."""
+    grad_reduce_in_fp32: bool = False
+    """Whether the job's gradient buffers are fp32 with bf16 parameters (Megatron-LM's
+    ``--accumulate-allreduce-grads-in-fp32``, its default with ``--bf16`` unless
+    ``--grad-reduce-in-bf16``): a stage's are the same."""
 
 
 # -- groups -----------------------------------------------------------------------------------
@@ -173,12 +179,18 @@ class StageState:
                       if unit_of(name, self.tied) == unit)
 
     def unit_tensors(self, unit: str) -> list[torch.Tensor]:
-        """Each parameter of ``unit`` and its Adam state (moments and step), created empty if
-        the optimizer has not stepped yet."""
+        """Each parameter of ``unit``, its fp32 main copy where the optimizer keeps one (bf16
+        parameters: Megatron-Core's ``param.main_param``), and the Adam state (moments and step)
+        of what the optimizer updates, created empty if it has not stepped yet."""
         tensors = []
         for _, param in self.unit_parameters(unit):
-            state = adam_state(self.optimizer, param)
-            tensors += [param.data, state["exp_avg"], state["exp_avg_sq"], state["step"]]
+            main = getattr(param, "main_param", None)
+            if main is not None:
+                tensors += [param.data, main.data]
+            else:
+                tensors.append(param.data)
+            state = adam_state(self.optimizer, param if main is None else main)
+            tensors += [state["exp_avg"], state["exp_avg_sq"], state["step"]]
         return tensors
 
 
@@ -215,14 +227,35 @@ def relayout(moves: Sequence[Transfer], rank: int, old: Optional[StageState],
             continue
         if move.source == rank:
             assert old is not None, f"rank {rank} has no state to send {move.unit}"
-            dist.send(_flat(old.unit_tensors(move.unit)), dst=move.destination, group=group)
+            dist.send(_packed(old.unit_tensors(move.unit)), dst=move.destination, group=group)
         elif move.destination == rank:
             tensors = new.unit_tensors(move.unit)
-            flat = _flat(tensors)
-            dist.recv(flat, src=move.source, group=group)
-            _unflatten(flat, tensors)
-            received += flat.numel() * flat.element_size()
+            packed = _packed(tensors)
+            dist.recv(packed, src=move.source, group=group)
+            _unpack(packed, tensors)
+            received += packed.numel()
     return received
+
+
+def _packed(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The bytes of ``tensors`` one after the other (one message for a unit whose tensors
+    differ in dtype: bf16 parameters, their fp32 main copies and moments)."""
+    return torch.cat([torch.empty(0, dtype=torch.uint8),
+                      *(_bytes(tensor.detach()) for tensor in tensors)])
+
+
+def _unpack(packed: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    offset = 0
+    with torch.no_grad():
+        for tensor in tensors:
+            size = tensor.numel() * tensor.element_size()
+            _bytes(tensor).copy_(packed[offset:offset + size])
+            offset += size
+
+
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor's storage."""
+    return tensor.reshape(-1).view(torch.uint8)
 
 
 def _copy_kept(old: StageState, new: StageState, incoming: set[str]) -> None:
@@ -238,7 +271,7 @@ def _copy_kept(old: StageState, new: StageState, incoming: set[str]) -> None:
 
 
 def _flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """One buffer of ``tensors`` (all fp32, see the module's limits), as the hand-over's."""
+    """One buffer of ``tensors`` (gradients of one dtype), to all-reduce."""
     return _flatten_dense_tensors([t.detach() for t in tensors])
 
 
@@ -272,14 +305,16 @@ class StageTrainer:
                                     post_process=self.role.post_process,
                                     pg_collection=self.pg_collection)
         self.config = module.config
+        wrapped = in_model_precision(module)
         if placement.tied and self.role.post_process and not self.role.pre_process:
             # As Megatron-Core marks the last stage's copy in a pipeline of its own layout.
             module.output_layer.weight.shared_embedding = True
         self._count_each_parameter_once(module)
         self.module = module
-        self.model = DistributedDataParallel(config=self.config,
-                                             ddp_config=DistributedDataParallelConfig(),
-                                             module=module, pg_collection=self.pg_collection)
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=recipe.grad_reduce_in_fp32)
+        self.model = DistributedDataParallel(config=self.config, ddp_config=ddp_config,
+                                             module=wrapped, pg_collection=self.pg_collection)
         self.optimizer = get_megatron_optimizer(recipe.optimizer_config, [self.model],
                                                 config_overrides=recipe.optimizer_overrides,
                                                 use_gloo_process_groups=False,
@@ -399,6 +434,22 @@ def load_schedule(scheduler: Any, state: dict[str, Any]) -> None:
     its shadow iterations)."""
     scheduler.num_steps = 0
     scheduler.load_state_dict(state)
+
+
+def in_model_precision(module: torch.nn.Module) -> torch.nn.Module:
+    """``module`` in Megatron-Core's ``Float16Module`` (its parameters converted) when its
+    config asks for fp16 or bf16, as Megatron-LM's ``get_model`` wraps a stage; else itself."""
+    from megatron.core.transformer.module import Float16Module
+
+    config = module.config
+    return Float16Module(config, module) if (config.fp16 or config.bf16) else module
+
+
+def inner_model(module: torch.nn.Module) -> torch.nn.Module:
+    """The model inside Megatron-Core's ``Float16Module``, if ``module`` is one."""
+    from megatron.core.transformer.module import Float16Module
+
+    return module.module if isinstance(module, Float16Module) else module
 
 
 def ensure_megatron_globals() -> None:

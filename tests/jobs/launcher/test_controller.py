@@ -440,11 +440,33 @@ def test_a_crash_without_a_standby_shrinks_onto_pipeline_templates(tmp_path):
     # no rank can be moved while the job runs on templates
     reply = job.request("migrate", "m1", ranks=[0])
     assert reply["ok"] is False and "pipeline templates" in reply["error"]
-    # a second loss while shrunk restarts the job
+    # a second loss while shrunk shrinks again, from the templates: job rank 3 (2 of the
+    # first survivors' world) held every layer, job rank 2 takes all but layer 3 from it
     job.exit(0, when=T0 + 9.0)
     job.poll()
+    assert job.log("fallback") == []
+    again = job.json(plan_key(2))
+    assert again["kind"] == "shrink" and again["world_size"] == 2
+    assert again["survivors"] == [2, 3] and again["lost"] == [0, 1]
+    assert again["describe"] == "[0] layers 0-3 x 2 + [1] layers 0-3 x 2"
+    assert again["moves"] == [["position", 1, 0], ["layer 0", 1, 0], ["layer 1", 1, 0],
+                              ["layer 2", 1, 0]]
+    assert job.key(successor_key(1)) == "2"
+    assert {"op": "drop", "ranks": [0]} in job.commands()
+    (_, second) = job.log("shrink")
+    assert second["lost"] == [0] and second["survivors"] == [2, 3]
+    # a loss before every survivor moved onto the new templates restarts the job (rank 2
+    # may hold the first templates' state or the second's)
+    restarts_on_loss(job, 3, T0 + 10.5,
+                     "a rank was lost before rank(s) [2] had moved onto the pipeline templates")
+
+
+def restarts_on_loss(job: "Job", rank: int, when: float, reason: str) -> None:
+    """Losing ``rank`` at ``when`` restarts the job for ``reason``."""
+    job.exit(rank, when=when)
+    job.poll()
     (fallback,) = job.log("fallback")
-    assert "while the job trains on pipeline templates" in fallback["reason"]
+    assert fallback["reason"] == reason
     assert {"op": "stop", "attempt": 0} in job.commands()
 
 
@@ -562,6 +584,15 @@ def test_a_survivor_that_finishes_after_the_switch_keeps_the_growing_back(tmp_pa
     assert job.log("grow_abandoned") == []
     assert job.commands() == [{"op": "wind_down", "attempt": 0}]
     assert job.key(CURRENT_GENERATION_KEY) == "2"
+
+
+def test_a_loss_while_the_job_grows_back_restarts_it(tmp_path):
+    job, refill = shrunk_and_refilled(tmp_path)
+    job.agent(0, "standby_ready", standby=refill["standby"], time=T0 + 20.0)
+    job.poll()
+    job.commands()
+    restarts_on_loss(job, 2, T0 + 21.0,
+                     "a rank was lost while the job grows back from pipeline templates")
 
 
 def test_a_loss_no_template_plan_covers_falls_back_with_both_reasons(tmp_path):
