@@ -357,13 +357,17 @@ class MegatronResilience:
         dist.all_gather_object(records, mine)
         return max(record for record in records if record is not None)
 
-    def settle_iteration(self, target: int, snapshot: dict[str, Any],
-                         gate: Optional[UpdateGate] = None) -> None:
+    @property
+    def update_gate(self) -> Optional[UpdateGate]:
+        """The commit gate of the optimizer this rank trains with: on pipeline templates its
+        stage's, otherwise the script's (None before :meth:`attach`)."""
+        return self.templates.gate or self._gate
+
+    def settle_iteration(self, target: int, snapshot: dict[str, Any]) -> None:
         """Brings this survivor to ``target`` completed iterations
-        (:meth:`~mover_plugin.megatron.update_gate.UpdateGate.settle`) through ``gate``, the
-        commit gate of the optimizer it trains with (by default the script's; on pipeline
-        templates its stage's)."""
-        gate = gate or self._gate
+        (:meth:`~mover_plugin.megatron.update_gate.UpdateGate.settle`) through the commit gate
+        of the optimizer it trains with."""
+        gate = self.update_gate
         assert gate is not None, "a crash before attach()"
         gate.settle(target)
         step = self.runtime.ledger.step
@@ -403,13 +407,15 @@ class MegatronResilience:
         parallel_state.destroy_model_parallel()
 
     def capture_snapshot(self) -> dict[str, Any]:
-        gate = {} if self._gate is None else {"update": self._gate.snapshot()}
-        return {**capture_rng_state(), **gate, "moe_metrics": capture_moe_metrics()}
+        gate = self.update_gate
+        update = {} if gate is None else {"update": gate.snapshot()}
+        return {**capture_rng_state(), **update, "moe_metrics": capture_moe_metrics()}
 
     def restore_snapshot(self, snapshot: dict[str, Any]) -> None:
         restore_rng_state(snapshot)
-        if self._gate is not None and "update" in snapshot:
-            self._gate.restore(snapshot["update"])
+        gate = self.update_gate
+        if gate is not None and "update" in snapshot:
+            gate.restore(snapshot["update"])
         restore_moe_metrics(snapshot.get("moe_metrics", {}))
         self._drop_syncs_in_flight()
 

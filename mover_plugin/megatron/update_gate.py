@@ -100,12 +100,11 @@ class UpdateGate:
         Taken at an iteration boundary only: the runtime takes one as each iteration starts,
         and a rank sending its state takes one at the boundary its receiver starts from."""
         self.begin_attempt()
-        return {"loss_scalers": [_scaler_state(scaler) for scaler in self._scalers()]}
+        return {"loss_scalers": loss_scaler_states(self._optimizer)}
 
     def restore(self, snapshot: dict[str, Any]) -> None:
         """The state of :meth:`snapshot` back; the redone attempt begins."""
-        for scaler, state in zip(self._scalers(), snapshot.get("loss_scalers", ())):
-            vars(scaler).update(_scaler_state(state))
+        load_loss_scaler_states(self._optimizer, snapshot.get("loss_scalers", ()))
         self.begin_attempt()
 
     def begin_attempt(self) -> None:
@@ -133,10 +132,24 @@ class UpdateGate:
                 and _scheduler_steps(self._scheduler) == attempt.scheduler_steps):
             self._scheduler.step(increment=self._increment())
 
-    def _scalers(self) -> list[Any]:
-        optimizers = getattr(self._optimizer, "chained_optimizers", None) or [self._optimizer]
-        scalers = [getattr(item, "grad_scaler", None) for item in optimizers]
-        return [scaler for scaler in scalers if scaler is not None]
+
+
+def loss_scaler_states(optimizer: Any) -> list[dict[str, Any]]:
+    """A copy of the state of each loss scaler of a Megatron-Core optimizer (none without
+    fp16)."""
+    return [_scaler_state(scaler) for scaler in _scalers(optimizer)]
+
+
+def load_loss_scaler_states(optimizer: Any, states: Any) -> None:
+    """Puts :func:`loss_scaler_states` into the loss scalers of ``optimizer``."""
+    for scaler, state in zip(_scalers(optimizer), states):
+        vars(scaler).update(_scaler_state(state))
+
+
+def _scalers(optimizer: Any) -> list[Any]:
+    optimizers = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    scalers = [getattr(item, "grad_scaler", None) for item in optimizers]
+    return [scaler for scaler in scalers if scaler is not None]
 
 
 def _scaler_state(state: Any) -> dict[str, Any]:

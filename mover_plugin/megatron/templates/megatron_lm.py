@@ -50,7 +50,7 @@ import torch
 from mover_plugin.megatron.lm_counters import load_loop_state, loop_state
 from mover_plugin.megatron.lm_standby import PretrainCall
 from mover_plugin.megatron.templates.participant import Repeat
-from mover_plugin.megatron.templates.stage import StageRecipe, inner_model
+from mover_plugin.megatron.templates.stage import StageRecipe, StageStep, inner_model
 
 logger = logging.getLogger(__name__)
 
@@ -255,7 +255,7 @@ class MegatronLMLoop:
         # A shrink started again after another loss: the job's layout is read first.
         StageView.leave(self._args)
 
-    def step(self, train: Callable[[Optional[Repeat]], tuple[float, float]]) -> Any:
+    def step(self, train: Callable[[Optional[Repeat]], StageStep]) -> Any:
         """Its forward and backward passes inside Megatron-Core's rerun state machine (which
         the script's loss function reports to, and which may run them again); then the loss
         over the global batch (on every rank, so that whichever rank logs prints it), the
@@ -274,10 +274,10 @@ class MegatronLMLoop:
             requests = machine.should_checkpoint_and_exit()
             return losses
 
-        loss, grad_norm = train(as_megatron_lm_runs)
+        result = train(as_megatron_lm_runs)
         should_checkpoint, should_exit, exit_code = requests
-        return ({"lm loss": torch.tensor(loss, dtype=torch.float32)}, 0, should_checkpoint,
-                should_exit, exit_code, grad_norm, None, 0)
+        return ({"lm loss": torch.tensor(result.loss, dtype=torch.float32)}, int(result.skipped),
+                should_checkpoint, should_exit, exit_code, result.grad_norm, None, 0)
 
     def after_leaving(self) -> None:
         StageView.leave(self._args)

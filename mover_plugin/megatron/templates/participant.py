@@ -33,9 +33,10 @@ from mover_plugin.megatron.templates.shrunk import (
     move_back,
     template_spec,
 )
-from mover_plugin.megatron.templates.stage import (StageRecipe, StageState, inner_model,
-                                                   load_schedule)
-from mover_plugin.megatron.update_gate import UpdateGate
+from mover_plugin.megatron.templates.stage import (StageRecipe, StageState, StageStep,
+                                                   inner_model, load_schedule)
+from mover_plugin.megatron.update_gate import (UpdateGate, load_loss_scaler_states,
+                                               loss_scaler_states)
 from mover_plugin.runtime.adapter import Continuation
 from mover_plugin.runtime.resilience import ResilienceRuntime
 
@@ -63,10 +64,9 @@ class TemplateJob(Protocol):
     def agree_on_iteration(self, *, contribute: bool) -> int:
         """The iteration every rank of the new generation continues from."""
 
-    def settle_iteration(self, target: int, snapshot: dict[str, Any],
-                         gate: Optional[UpdateGate] = None) -> None:
-        """Brings this survivor to ``target`` completed iterations (``gate``: the commit gate
-        of the optimizer it trains with, when not the script's)."""
+    def settle_iteration(self, target: int, snapshot: dict[str, Any]) -> None:
+        """Brings this survivor to ``target`` completed iterations, through the commit gate of
+        the optimizer it trains with."""
 
     def after_switch(self) -> None:
         """The script's objects are on a new generation's groups."""
@@ -87,9 +87,10 @@ class TemplateLoop(Protocol):
     def before_shrink(self) -> None:
         """A survivor is about to build its stage of a shrink."""
 
-    def step(self, train: Callable[[Optional[Repeat]], tuple[float, float]]) -> Any:
-        """An iteration on the templates: ``train(repeat)`` trains it and returns (loss over
-        the global batch, gradient norm); the result is what the loop's own step returns."""
+    def step(self, train: Callable[[Optional[Repeat]], StageStep]) -> Any:
+        """An iteration on the templates: ``train(repeat)`` trains it (its loss over the
+        global batch, gradient norm, and whether the update was skipped); the result is what the
+        loop's own step returns."""
 
     def after_leaving(self) -> None:
         """Growing back: the templates' groups are released."""
@@ -118,8 +119,9 @@ class CoreLoop:
     def before_shrink(self) -> None:
         pass
 
-    def step(self, train: Callable[[Optional[Repeat]], tuple[float, float]]) -> Any:
-        return train(None)
+    def step(self, train: Callable[[Optional[Repeat]], StageStep]) -> Any:
+        result = train(None)
+        return result.loss, result.grad_norm
 
     def after_leaving(self) -> None:
         pass
@@ -149,6 +151,11 @@ class MegatronTemplates:
     def on_templates(self) -> bool:
         """Whether the job shrank and this rank trains on pipeline templates."""
         return self._shrunk is not None
+
+    @property
+    def gate(self) -> Optional[UpdateGate]:
+        """On pipeline templates: the commit gate of this rank's stage's optimizer."""
+        return None if self._shrunk is None else self._shrunk.gate
 
     @property
     def stage_groups(self) -> Any:
@@ -193,31 +200,33 @@ class MegatronTemplates:
         job, before = self._job, self._shrunk
         self.loop.before_shrink()
         target = job.agree_on_iteration(contribute=True)
+        job.settle_iteration(target, snapshot)
         if before is None:
-            job.settle_iteration(target, snapshot)
-            held, schedule = self._job_state(), job.training_objects[2].state_dict()
+            _, optimizer, scheduler = job.training_objects
+            held = self._job_state()
+            carried = {"schedule": scheduler.state_dict(),
+                       "loss_scalers": loss_scaler_states(optimizer)}
         else:
-            job.settle_iteration(target, snapshot, gate=before.gate)
-            held, schedule = before.trainer.state, before.trainer.scheduler.state_dict()
-        self._shrunk = ShrunkTraining(plan, dist.get_rank(), self.recipe, held, schedule,
+            held, carried = before.trainer.state, before.carried_state()
+        self._shrunk = ShrunkTraining(plan, dist.get_rank(), self.recipe, held, carried,
                                       job.runtime)
         job.runtime.train_with(self._step)
         return Continuation(target, received_bytes=self._shrunk.received_bytes)
 
     def _step(self, iteration: int) -> Any:
         """An iteration after the shrink, as the loop's own step returns it; the script's
-        optimizer shows the schedule's learning rate, as the script logs it from there."""
+        optimizer shows the stage's learning rate and loss scale, as the script logs them from
+        there."""
         return self.loop.step(lambda repeat: self._train(iteration, repeat))
 
-    def _train(self, iteration: int, repeat: Optional[Repeat]) -> tuple[float, float]:
+    def _train(self, iteration: int, repeat: Optional[Repeat]) -> StageStep:
         shrunk, runtime = self._shrunk, self._job.runtime
         assert shrunk is not None
         result = shrunk.step(iteration, vote=runtime.switch_requested, repeat=repeat)
         if shrunk.grow_agreed:
             runtime.grow_back_at_next_step()
         runtime.ledger.count_running_iteration()
-        for group in self._job.training_objects[1].param_groups:
-            group["lr"] = shrunk.learning_rate
+        shrunk.show_on(self._job.training_objects[1])
         return result
 
     def leave_templates(self) -> None:
@@ -236,12 +245,12 @@ class MegatronTemplates:
         if target != ledger.applied:
             raise LaunchError(f"rank {rank} completed {ledger.applied} iterations but the job "
                               f"grows back at {target}")
-        trainer = self._shrunk.trainer
+        shrunk = self._shrunk
         carried, received = move_back(
-            plan, rank, trainer.state, self._job_state(),
-            {**self.loop.growth_state(), "schedule": trainer.scheduler.state_dict()})
-        load_schedule(job.training_objects[2], carried["schedule"])
+            plan, rank, shrunk.trainer.state, self._job_state(),
+            {**self.loop.growth_state(), **shrunk.carried_state()})
         self._shrunk = None
+        self._take_carried(carried)
         self.loop.after_growth()
         return received
 
@@ -249,11 +258,17 @@ class MegatronTemplates:
         job = self._job
         target = job.agree_on_iteration(contribute=False)
         carried, received = move_back(plan, job.runtime.rank, None, self._job_state(), None)
-        load_schedule(job.training_objects[2], carried["schedule"])
+        self._take_carried(carried)
         job.after_switch()  # the optimizer's agreed flags, as at every rank of a switch
         job.runtime.ledger.applied = target
         self.loop.load_growth_state(carried, target)
         return Continuation(target, received_bytes=received)
+
+    def _take_carried(self, carried: dict[str, Any]) -> None:
+        """Growing back: the script's scheduler and loss scalers where the templates' were."""
+        _, optimizer, scheduler = self._job.training_objects
+        load_schedule(scheduler, carried["schedule"])
+        load_loss_scaler_states(optimizer, carried["loss_scalers"])
 
     def _job_state(self) -> StageState:
         """The script's model and optimizer, by canonical parameter names."""

@@ -25,7 +25,7 @@ iteration's update, and the job shrinks again from the templates (the participan
 next :class:`ShrunkTraining` from this one's stage).
 
 Limits, besides those of :mod:`~mover_plugin.megatron.templates.stage` (tensor-parallel size 1,
-CPU and gloo, fp32 or bf16, the plain optimizer): the script's checkpoints are not written while
+CPU and gloo, the plain optimizer): the script's checkpoints are not written while
 shrunk (the final parameters are, by :meth:`ShrunkTraining.save_final`).
 
 **Growing back.** When standbys are ready for the lost ranks, the controller plans the job's
@@ -53,11 +53,13 @@ from mover_plugin.contract import GenerationPlan
 from mover_plugin.layout import ParallelLayout
 from mover_plugin.megatron.checkpoint import capture_rng_state, restore_rng_state
 from mover_plugin.megatron.templates.profile import host_memory_bytes, measure_training_stage
-from mover_plugin.megatron.update_gate import UpdateGate
+from mover_plugin.megatron.update_gate import (UpdateGate, load_loss_scaler_states,
+                                               loss_scaler_states)
 from mover_plugin.megatron.templates.stage import (
     PlacementGroups,
     StageRecipe,
     StageState,
+    StageStep,
     StageTrainer,
     relayout,
     unit_of,
@@ -103,8 +105,6 @@ def template_refusals(args: argparse.Namespace, sharded: bool) -> list[str]:
         reasons.append("the distributed optimizer")
     if torch.cuda.is_available():
         reasons.append("a GPU (the layer transfers are written for CPU tensors)")
-    if getattr(args, "fp16", False):
-        reasons.append("fp16 parameters (the loss scaler's state is not carried yet)")
     return reasons
 
 
@@ -143,10 +143,10 @@ class ShrunkTraining:
     """One survivor's training on the plan of a shrink (built in the survivors' world)."""
 
     def __init__(self, plan: GenerationPlan, rank: int, recipe: StageRecipe,
-                 held: StageState, schedule: dict[str, Any], runtime: ResilienceRuntime) -> None:
+                 held: StageState, carried: dict[str, Any], runtime: ResilienceRuntime) -> None:
         """``rank``: this process's rank in the survivors' world; ``held``: the state of the
         stage it trained before (in the job, or on the templates of an earlier shrink);
-        ``schedule``: that stage's scheduler state."""
+        ``carried``: what that stage's optimizer carries besides (:meth:`carried_state`)."""
         assert plan.placement is not None, "a shrink's plan has its placement"
         self.placement = Placement.of_record(plan.placement)
         self.rank = rank
@@ -161,19 +161,32 @@ class ShrunkTraining:
         moves = [Transfer(unit, source, destination)
                  for unit, source, destination in plan.moves]
         self.received_bytes = relayout(moves, rank, held, self.trainer.state)
-        self.trainer.take_scheduler_state(schedule)
+        self.trainer.take_scheduler_state(carried["schedule"])
+        load_loss_scaler_states(self.trainer.optimizer, carried["loss_scalers"])
         logger.warning("rank %d of the survivors trains layers %d-%d of pipeline %s on %s",
                        rank, self.trainer.role.layers[0], self.trainer.role.layers[1] - 1,
                        list(self.trainer.role.pipeline_ranks), plan.describe)
 
     def step(self, iteration: int, vote: bool = False,
-             repeat: Optional[Callable[[Callable[[], list]], list]] = None
-             ) -> tuple[float, float]:
-        """One iteration: (the mean loss over the global batch, the gradient norm). ``vote``:
+             repeat: Optional[Callable[[Callable[[], list]], list]] = None) -> StageStep:
+        """One iteration (:class:`~mover_plugin.megatron.templates.stage.StageStep`). ``vote``:
         this rank saw the request to grow back; :attr:`grow_agreed` then says whether any
         rank did. ``repeat``: see :meth:`StageTrainer.train_step`."""
         self.gate.begin_attempt()
         return self.trainer.train_step(iteration, vote, repeat)
+
+    def carried_state(self) -> dict[str, Any]:
+        """The learning-rate schedule and fp16's loss scalers of this stage's optimizer, for
+        the next layout."""
+        return {"schedule": self.trainer.scheduler.state_dict(),
+                "loss_scalers": loss_scaler_states(self.trainer.optimizer)}
+
+    def show_on(self, optimizer: Any) -> None:
+        """``optimizer`` (the script's, resting) shows this stage's learning rate and loss
+        scale, which the script logs."""
+        for group in optimizer.param_groups:
+            group["lr"] = self.learning_rate
+        load_loss_scaler_states(optimizer, loss_scaler_states(self.trainer.optimizer))
 
     @property
     def grow_agreed(self) -> bool:

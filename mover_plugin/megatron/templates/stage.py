@@ -23,23 +23,23 @@ same update, and the copies stay equal.
 :func:`relayout` moves parameters and optimizer state (Adam's moments and step) unit by unit
 (:func:`~mover_plugin.placement.transfers`) from the ranks that hold them to those that need
 them, from a model of any placement (or the job's own Megatron-Core model, as a
-:class:`StageState`) to the new stage's. With bf16 parameters a stage is built in
+:class:`StageState`) to the new stage's. With bf16 or fp16 parameters a stage is built in
 Megatron-Core's ``Float16Module`` (as Megatron-LM builds the job's) and a unit carries each
 parameter's fp32 main copy too, which the mixed-precision optimizer updates.
 
 Limits: tensor-parallel size 1 (a stage is one rank); no dropout in a test that compares with
 the full job (which rank runs a micro-batch changes its dropout masks). Written and tested for
-CPU and gloo with fp32 or bf16 parameters and Megatron-Core's plain (not distributed) optimizer
-over torch's Adam, whose ``step`` is a per-parameter tensor: the transfers and the loss
-all-reduce use CPU tensors (NCCL needs them on the GPU), fp16's loss scaler is not carried, and
-fused Adam keeps its step per group.
+CPU and gloo with fp32, bf16 or fp16 parameters and Megatron-Core's plain (not distributed)
+optimizer over torch's Adam, whose ``step`` is a per-parameter tensor: the transfers and the
+loss all-reduce use CPU tensors (NCCL needs them on the GPU), and fused Adam keeps its step per
+group.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -76,6 +76,15 @@ class StageRecipe:
     """Whether the job's gradient buffers are fp32 with bf16 parameters (Megatron-LM's
     ``--accumulate-allreduce-grads-in-fp32``, its default with ``--bf16`` unless
     ``--grad-reduce-in-bf16``): a stage's are the same."""
+
+
+class StageStep(NamedTuple):
+    """What one iteration on a stage gives: the loss over the global batch, the gradient
+    norm, and whether the optimizer skipped the update (fp16's loss scaler found inf/NaN)."""
+
+    loss: float
+    grad_norm: float
+    skipped: bool = False
 
 
 # -- groups -----------------------------------------------------------------------------------
@@ -374,13 +383,13 @@ class StageTrainer:
 
     def train_step(self, iteration: int, vote: bool = False,
                    repeat: Optional[Callable[[Callable[[], list]], list]] = None
-                   ) -> tuple[float, float]:
-        """One optimizer step on global batch ``iteration``: (mean loss over the global batch,
-        gradient norm); every rank of the world calls it. The loss all-reduce also carries
-        ``vote``: afterwards :attr:`voted` says whether any rank voted. ``repeat`` runs the
-        forward and backward passes (given as a function returning their losses) as the
-        training loop runs them (Megatron-LM's rerun state machine may run them again); by
-        default once."""
+                   ) -> StageStep:
+        """One optimizer step on global batch ``iteration``; every rank of the world calls it.
+        The learning-rate schedule steps only with an update applied, as Megatron-LM's
+        ``train_step`` steps it. The loss all-reduce also carries ``vote``: afterwards
+        :attr:`voted` says whether any rank voted. ``repeat`` runs the forward and backward
+        passes (given as a function returning their losses) as the training loop runs them
+        (Megatron-LM's rerun state machine may run them again); by default once."""
         from megatron.core.pipeline_parallel.schedules import (
             forward_backward_no_pipelining,
             forward_backward_pipelining_without_interleaving,
@@ -403,9 +412,11 @@ class StageTrainer:
             return forward_backward_no_pipelining(**common)
 
         losses = repeat(forward_backward) if repeat is not None else forward_backward()
-        _, grad_norm, _ = self.optimizer.step()
-        self.scheduler.step(increment=recipe.global_batch_size)
-        return self._global_loss(losses, vote), float(grad_norm or 0.0)
+        applied, grad_norm, _ = self.optimizer.step()
+        if applied:
+            self.scheduler.step(increment=recipe.global_batch_size)
+        return StageStep(self._global_loss(losses, vote), float(grad_norm or 0.0),
+                         skipped=not applied)
 
     def _global_loss(self, losses: list[dict[str, torch.Tensor]], vote: bool) -> float:
         """The loss over the global batch, as the job reports it (``lm loss``, or the first
