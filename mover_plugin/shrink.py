@@ -104,6 +104,20 @@ class TemplateSpec:
                        int(self.profile["host_memory_bytes"]))
 
 
+def shape_refusals(tensor_parallel: int, experts: bool, sharded: bool,
+                   gpu: bool) -> list[str]:
+    """Why a Megatron-Core job of this shape cannot train on pipeline templates (none: it
+    can): its tensor-parallel size, mixture-of-experts layers, the distributed optimizer
+    (``sharded``), a GPU."""
+    refused = {
+        f"tensor-parallel size {tensor_parallel}": tensor_parallel != 1,
+        "mixture-of-experts layers (--num-experts)": experts,
+        "the distributed optimizer": sharded,
+        "a GPU (the layer transfers are written for CPU tensors)": gpu,
+    }
+    return [reason for reason, applies in refused.items() if applies]
+
+
 def profile_record(profile: Profile) -> dict[str, Any]:
     """``profile`` as JSON-able data (:attr:`TemplateSpec.profile`)."""
     return {"host_memory_bytes": profile.host_memory_bytes,

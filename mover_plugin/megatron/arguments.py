@@ -20,8 +20,8 @@ from typing import Callable, Optional, Sequence
 from mover_plugin.errors import ConfigError
 from mover_plugin.layout import ParallelLayout
 from mover_plugin.runtime.preflight import checked_or_exit
-from mover_plugin.runtime.settings import ResilienceSettings
-from mover_plugin.shrink import profile_record
+from mover_plugin.runtime.settings import ResilienceSettings, fault_tolerance_given
+from mover_plugin.shrink import profile_record, shape_refusals
 from mover_plugin.templates import (
     PlanningError,
     check_fault_tolerance,
@@ -266,8 +266,15 @@ def checked_template_profile(args: argparse.Namespace, tolerance: int) -> Option
     planner) each, and a micro-batch each. With ``--resilient-template-profile``, the profile
     must describe this model, fit some host count, and leave a plan after losing up to F hosts;
     its record for the planner is returned (None without one, or when the job never shrinks).
-    Raises :class:`ConfigError` naming the bad value. Megatron-LM's ``args`` work too."""
-    if args.tensor_model_parallel_size != 1 or getattr(args, "num_experts", None):
+    A job that never shrinks (:func:`~mover_plugin.shrink.shape_refusals`) refuses an F it is
+    given. Raises :class:`ConfigError` naming the bad value. Megatron-LM's ``args`` work too."""
+    given = fault_tolerance_given(args)
+    refused = shape_refusals(args.tensor_model_parallel_size,
+                             bool(getattr(args, "num_experts", None)),
+                             bool(getattr(args, "use_distributed_optimizer", False)),
+                             given and _cuda_available())
+    if refused:
+        refuse_given_fault_tolerance(args, tolerance, refused)
         return None  # such a job never shrinks onto templates
     stages = args.world_size  # one rank per pipeline stage (tensor-parallel size 1)
     microbatches = args.global_batch_size // args.micro_batch_size
@@ -293,6 +300,23 @@ def checked_template_profile(args: argparse.Namespace, tolerance: int) -> Option
     except PlanningError as error:
         raise ConfigError(f"--resilient-template-profile {path}: {error}") from None
     return profile_record(profile)
+
+
+def refuse_given_fault_tolerance(args: argparse.Namespace, tolerance: int,
+                                 reasons: Sequence[str]) -> None:
+    """A job that cannot shrink onto pipeline templates (``reasons``) refuses a
+    ``--resilient-fault-tolerance`` given on its command line, with the reasons."""
+    if reasons and fault_tolerance_given(args):
+        raise ConfigError(
+            f"--resilient-fault-tolerance {tolerance}: this job cannot shrink onto pipeline "
+            f"templates ({', '.join(reasons)}), so a rank lost with no standby ready restarts "
+            "it; leave the flag out")
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _positive(args: argparse.Namespace, *names: str) -> None:

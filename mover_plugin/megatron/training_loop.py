@@ -386,9 +386,12 @@ def check_arguments(args: argparse.Namespace) -> None:
     settings = ResilienceSettings.from_args(args)
     if not args.resilient:
         return
-    from mover_plugin.megatron.arguments import checked_template_profile
+    from mover_plugin.megatron.arguments import (checked_template_profile,
+                                                 refuse_given_fault_tolerance)
+    from mover_plugin.megatron.templates.megatron_lm import lm_flag_refusals
 
     args.template_profile = checked_template_profile(args, settings.fault_tolerance)
+    refuse_given_fault_tolerance(args, settings.fault_tolerance, lm_flag_refusals(args))
     if args.data_parallel_size < 2:
         raise ConfigError(
             f"--resilient needs a data-parallel twin for every rank, but the data-parallel "

@@ -71,7 +71,14 @@ class ResilienceSettings:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ResilienceSettings":
-        return cls(**{f.name: getattr(args, _dest(f.name)) for f in fields(cls)}).validate()
+        given = {f.name: getattr(args, _dest(f.name)) for f in fields(cls)}
+        return cls(**{name: value for name, value in given.items()
+                      if value is not None}).validate()
+
+
+def fault_tolerance_given(args: argparse.Namespace) -> bool:
+    """Whether ``--resilient-fault-tolerance`` was given on the command line."""
+    return getattr(args, _dest("fault_tolerance"), None) is not None
 
 
 def add_resilience_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -96,8 +103,11 @@ def add_resilience_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         if item.name == "enabled":
             continue
         whole = _is_count(item)
+        # None when not given (the setting's default then): a job that cannot shrink onto
+        # pipeline templates refuses a --resilient-fault-tolerance it is given.
+        default = None if item.name == "fault_tolerance" else getattr(defaults, item.name)
         group.add_argument(_flag_of(item.name), dest=_dest(item.name),
-                           type=int if whole else float, default=getattr(defaults, item.name),
+                           type=int if whole else float, default=default,
                            metavar="N" if whole else "SECONDS")
     return parser
 

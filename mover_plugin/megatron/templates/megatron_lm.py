@@ -77,9 +77,15 @@ def lm_template_refusals(args: argparse.Namespace, call: Optional[PretrainCall])
     """Why Megatron-LM's loop with ``args``, started by ``call``, cannot train on pipeline
     templates (none: it can); the reasons common to every Megatron-Core job are
     :func:`~mover_plugin.megatron.templates.shrunk.template_spec`'s."""
+    missing = call is None or (call.model_provider is None and _model_config(call) is None)
+    return [*(["neither a model provider nor a model config given to pretrain()"]
+              if missing else []), *lm_flag_refusals(args)]
+
+
+def lm_flag_refusals(args: argparse.Namespace) -> list[str]:
+    """The flags of Megatron-LM's loop among :func:`lm_template_refusals`' reasons (known before
+    the script calls ``pretrain``)."""
     refused = {
-        "neither a model provider nor a model config given to pretrain()":
-            call is None or (call.model_provider is None and _model_config(call) is None),
         "virtual pipeline stages (--num-layers-per-virtual-pipeline-stage)":
             args.virtual_pipeline_model_parallel_size is not None,
         f"--dataloader-type {args.dataloader_type}": args.dataloader_type != "single",

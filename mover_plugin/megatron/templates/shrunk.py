@@ -67,7 +67,7 @@ from mover_plugin.megatron.templates.stage import (
 from mover_plugin.placement import Placement, Transfer
 from mover_plugin.runtime.resilience import ResilienceRuntime
 from mover_plugin.runtime.settings import ResilienceSettings
-from mover_plugin.shrink import TemplateSpec, profile_record
+from mover_plugin.shrink import TemplateSpec, profile_record, shape_refusals
 from mover_plugin.templates import Profile
 
 logger = logging.getLogger(__name__)
@@ -96,16 +96,9 @@ def template_spec(args: argparse.Namespace, settings: ResilienceSettings,
 def template_refusals(args: argparse.Namespace, sharded: bool) -> list[str]:
     """Why a Megatron-Core job with ``args`` (``sharded``: with the distributed optimizer)
     cannot train on pipeline templates; none: it can."""
-    reasons = []
-    if args.tensor_model_parallel_size != 1:
-        reasons.append(f"tensor-parallel size {args.tensor_model_parallel_size}")
-    if getattr(args, "num_experts", None):
-        reasons.append("mixture-of-experts layers (--num-experts)")
-    if sharded:
-        reasons.append("the distributed optimizer")
-    if torch.cuda.is_available():
-        reasons.append("a GPU (the layer transfers are written for CPU tensors)")
-    return reasons
+    return shape_refusals(args.tensor_model_parallel_size,
+                          bool(getattr(args, "num_experts", None)), sharded,
+                          torch.cuda.is_available())
 
 
 def measure_own_stage(args: argparse.Namespace, model: Any, recipe: StageRecipe,

@@ -73,9 +73,9 @@ class StageRecipe:
     """Megatron-Core's per-parameter optimizer settings (``config_overrides``), as the job's
     optimizer was built with them (None: none)."""
     grad_reduce_in_fp32: bool = False
-    """Whether the job's gradient buffers are fp32 with bf16 parameters (Megatron-LM's
+    """Whether the job's gradient buffers are fp32 with 16-bit parameters (Megatron-LM's
     ``--accumulate-allreduce-grads-in-fp32``, its default with ``--bf16`` unless
-    ``--grad-reduce-in-bf16``): a stage's are the same."""
+    ``--grad-reduce-in-bf16``; not with ``--fp16`` unless given): a stage's are the same."""
 
 
 class StageStep(NamedTuple):
@@ -263,8 +263,11 @@ def _unpack(packed: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
 
 
 def _bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view of a contiguous tensor's storage."""
-    return tensor.reshape(-1).view(torch.uint8)
+    """A flat uint8 view of a contiguous tensor's storage (a copy would lose what is
+    unpacked into it)."""
+    if not tensor.is_contiguous():
+        raise ValueError(f"a {tuple(tensor.shape)} tensor moved between stages is not contiguous")
+    return tensor.view(-1).view(torch.uint8)
 
 
 def _copy_kept(old: StageState, new: StageState, incoming: set[str]) -> None:

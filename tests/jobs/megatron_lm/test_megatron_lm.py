@@ -87,9 +87,14 @@ def test_mover_launch_trains_megatron_lm_exactly_as_torchrun_does(layout, tmp_pa
      "--resilient-fault-tolerance 4 is too large: it needs 5 pipelines"),
     (["--resilient", "--resilient-template-profile", "/nonexistent/profile.json"],
      ["--policy", "resilient"], "/nonexistent/profile.json: no such profile"),
+    (["--resilient", "--log-params-norm", "--resilient-fault-tolerance", "1"],
+     ["--policy", "resilient"], "--resilient-fault-tolerance 1: this job cannot shrink onto "
+     "pipeline templates (--log-params-norm), so a rank lost with no standby ready restarts it"),
+    (["--save", "checkpoints"], [],
+     "AssertionError in Megatron-LM's validate_args: assert args.save_interval is not None"),
 ], ids=["unknown-flag", "megatron-check", "resilience-setting", "policy-without-flag",
         "resilient-without-twin", "experts-without-twin", "templates-tolerance",
-        "templates-profile"])
+        "templates-profile", "templates-refused", "megatron-assertion"])
 def test_bad_megatron_lm_input_stops_the_job_before_any_worker(flags, launcher_flags, message,
                                                                tmp_path):
     result = mover_launch(*PP2, *flags, launcher_flags=launcher_flags, cwd=tmp_path,

@@ -80,13 +80,19 @@ def test_a_fault_tolerance_the_hosts_cannot_hold_is_refused():
     with pytest.raises(ConfigError, match=r"--resilient-fault-tolerance 4 is too large: it "
                        r"needs 5 pipelines .* the job has 4 ranks .* give at most 3"):
         parse("--resilient-fault-tolerance", "4")
-    # a job that never shrinks is not held to it: without --resilient, or at TP 2
+    # not held to it without --resilient; a job that never shrinks refuses it when given
     plain = parse_args(["--pipeline-model-parallel-size", "2", "--global-batch-size", "2",
                         "--micro-batch-size", "2"], world_size=2,
                        extra_args_provider=add_resilience_args)
     assert plain.resilience.fault_tolerance == 1
-    at_tp2 = parse("--tensor-model-parallel-size", "2", "--resilient-fault-tolerance", "4")
-    assert at_tp2.resilience.fault_tolerance == 4 and at_tp2.template_profile is None
+    at_tp2 = parse("--tensor-model-parallel-size", "2", world_size=8)
+    assert at_tp2.resilience.fault_tolerance == 1 and at_tp2.template_profile is None
+    with pytest.raises(ConfigError, match=r"^--resilient-fault-tolerance 1: this job cannot "
+                       r"shrink onto pipeline templates \(tensor-parallel size 2, the "
+                       r"distributed optimizer\), so a rank lost with no standby ready "
+                       r"restarts it; leave the flag out$"):
+        parse("--tensor-model-parallel-size", "2", "--use-distributed-optimizer",
+              "--resilient-fault-tolerance", "1", world_size=8)
     with pytest.raises(ConfigError, match="must be a whole number of at least 0"):
         parse("--resilient-fault-tolerance", "-1")
     assert parse(world_size=2).resilience.fault_tolerance == 1  # PP2 x DP1: two hosts
