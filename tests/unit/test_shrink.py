@@ -135,11 +135,14 @@ def test_every_two_losses_one_after_the_other_of_pp2_dp4_shrink_twice():
 
 
 def test_a_loss_while_shrunk_that_leaves_a_layer_no_holder_is_no_plan():
-    shrunk = plan_shrink([1, 2], PP2_DP2, SPEC)  # [0] layers 0-3 + [3] layers 0-3
+    shrunk = plan_shrink([1], PP2_DP2, SPEC)  # job ranks [0 2] layers 0-2|3 + [3] layers 0-3
     assert isinstance(shrunk, ShrinkPlan)
     assert isinstance(plan_shrink([0], PP2_DP2, SPEC, shrunk.generation_plan()), ShrinkPlan)
+    # job rank 2 alone is left, holding layer 3 only
     gone = plan_shrink([0, 3], PP2_DP2, SPEC, shrunk.generation_plan())
-    assert isinstance(gone, Fallback) and "0 rank(s) left" in gone.reason
+    assert isinstance(gone, Fallback)
+    assert gone.reason == ("no pipeline-template plan for the 1 rank(s) left: no live rank "
+                           "holds position (rank 2 needs it)")
 
 
 def test_records_round_trip():
